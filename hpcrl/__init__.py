@@ -1,0 +1,1 @@
+"""hpcrl: RL training of language models on Slurm clusters."""

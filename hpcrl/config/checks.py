@@ -1,0 +1,197 @@
+"""Range and cross-field checks of a composed Config, run before anything starts.
+
+``validate`` returns the config with derived values filled in (the allocation shorthand applied,
+GPUs per worker and node counts resolved) or raises ConfigError naming the first bad field.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os.path
+from dataclasses import replace
+
+from hpcrl.config.errors import ConfigError, one_of, require
+from hpcrl.config.schema import (
+    AlgorithmConfig,
+    AllocationConfig,
+    ClusterConfig,
+    Config,
+    DatasetConfig,
+    ModelConfig,
+    NetConfig,
+    RoleAllocation,
+    RolloutConfig,
+    RunConfig,
+    TrainConfig,
+)
+from hpcrl.config.shorthand import SERVER_BACKENDS, TRAINER_BACKENDS, parse_spec
+
+log = logging.getLogger(__name__)
+
+ROLES = ("server", "trainer")
+
+
+def validate(cfg: Config) -> Config:
+    """Check every section; return the config with the allocation resolved."""
+    check_run(cfg.run)
+    check_cluster(cfg.cluster)
+    allocation = resolve_allocation(cfg.allocation, cfg.cluster)
+    check_algorithm(cfg.algorithm)
+    check_model(cfg.model)
+    check_dataset(cfg.dataset)
+    check_train(cfg.train)
+    check_rollout(cfg.rollout)
+    warn_ignored(cfg)
+    return replace(cfg, allocation=allocation)
+
+
+def check_run(run: RunConfig) -> None:
+    require(bool(run.root), "run.root", run.root, "a directory path")
+    for name in ("experiment", "trial"):
+        value = getattr(run, name)
+        ok = bool(value) and os.path.sep not in value and value not in (".", "..")
+        require(ok, f"run.{name}", value, "a non-empty name without '/'")
+    require(run.max_steps >= 1, "run.max_steps", run.max_steps, "an integer >= 1")
+    one_of("run.log_level", run.log_level, ("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+def check_cluster(c: ClusterConfig) -> None:
+    one_of("cluster.kind", c.kind, ("local", "slurm"))
+    one_of("cluster.submit_mode", c.submit_mode, ("hetjob", "per_role"))
+    require(c.gpus_per_node >= 0, "cluster.gpus_per_node", c.gpus_per_node, "an integer >= 0")
+    require(c.cpus_per_node >= 0, "cluster.cpus_per_node", c.cpus_per_node, "an integer >= 0 (0 = unchecked)")
+    require(c.time_min >= 1, "cluster.time_min", c.time_min, "minutes >= 1")
+    for role, res in c.roles.items():
+        where = f"cluster.roles.{role}"
+        one_of(f"{where} (role name)", role, (*ROLES, "rollout"))
+        require(res.setup_timeout_s > 0, f"{where}.setup_timeout_s", res.setup_timeout_s, "seconds > 0")
+        require(res.cpus_per_worker >= 1, f"{where}.cpus_per_worker", res.cpus_per_worker, "an integer >= 1")
+        require(res.mem_gb >= 0, f"{where}.mem_gb", res.mem_gb, "GiB >= 0 (0 = scheduler default)")
+        require(res.time_min >= 0, f"{where}.time_min", res.time_min, "minutes >= 0 (0 = cluster.time_min)")
+    for role in ROLES:
+        require(role in c.roles, f"cluster.roles.{role}", None, "resources for every role")
+    require(c.controller.cpus >= 1, "cluster.controller.cpus", c.controller.cpus, "an integer >= 1")
+    require(c.controller.mem_gb >= 0, "cluster.controller.mem_gb", c.controller.mem_gb, "GiB >= 0")
+    require(c.controller.time_min >= 0, "cluster.controller.time_min", c.controller.time_min, "minutes >= 0")
+    check_net(c.net)
+
+
+def check_net(n: NetConfig) -> None:
+    one_of("cluster.net.family", n.family, ("auto", "ipv4", "ipv6"))
+    if n.port_min == 0 and n.port_max == 0:
+        return
+    require(1024 <= n.port_min < 65536, "cluster.net.port_min", n.port_min, "a port in 1024..65535")
+    expected = f"a port > cluster.net.port_min={n.port_min} and <= 65536"
+    require(n.port_min < n.port_max <= 65536, "cluster.net.port_max", n.port_max, expected)
+
+
+def resolve_allocation(a: AllocationConfig, cluster: ClusterConfig) -> AllocationConfig:
+    """Apply the shorthand, fill backend defaults and node counts, and check that roles fit the cluster."""
+    roles = parse_spec(a.spec) if a.spec else {"server": a.server, "trainer": a.trainer}
+    resolved = {role: _resolve_role(f"allocation.{role}", role, roles[role], cluster) for role in ROLES}
+    return replace(a, **resolved)
+
+
+def _resolve_role(where: str, role: str, r: RoleAllocation, cluster: ClusterConfig) -> RoleAllocation:
+    one_of(f"{where}.backend", r.backend, SERVER_BACKENDS if role == "server" else TRAINER_BACKENDS)
+    require(r.workers >= 1, f"{where}.workers", r.workers, "an integer >= 1")
+    require(r.tp_size >= 1, f"{where}.tp_size", r.tp_size, "an integer >= 1")
+    require(r.tp_size == 1 or r.backend == "sglang", f"{where}.tp_size", r.tp_size, "1 unless backend is sglang")
+    gpus = _default_gpus(r) if r.gpus_per_worker is None else r.gpus_per_worker
+    _check_gpus(where, r, gpus)
+    if gpus > cluster.gpus_per_node:
+        expected = f"at most cluster.gpus_per_node={cluster.gpus_per_node} ({cluster.name} nodes have that many)"
+        raise ConfigError(f"{where}.gpus_per_worker", gpus, expected)
+    nodes = r.nodes or _fewest_nodes(r.workers, gpus, cluster.gpus_per_node)
+    require(nodes >= 1, f"{where}.nodes", r.nodes, "an integer >= 0 (0 = the fewest that fit)")
+    per_node = r.workers // nodes
+    require(r.workers % nodes == 0, f"{where}.nodes", nodes, f"a divisor of workers={r.workers}")
+    fits = per_node * gpus <= cluster.gpus_per_node
+    require(fits, f"{where}.nodes", nodes, f"enough nodes for {r.workers}x{gpus} GPUs at {cluster.gpus_per_node}/node")
+    require(cluster.kind != "local" or nodes == 1, f"{where}.nodes", nodes, "1 on cluster.kind=local")
+    return replace(r, gpus_per_worker=gpus, nodes=nodes)
+
+
+def _default_gpus(r: RoleAllocation) -> int:
+    return {"sglang": r.tp_size, "fsdp": 1}.get(r.backend, 0)
+
+
+def _check_gpus(where: str, r: RoleAllocation, gpus: int) -> None:
+    path = f"{where}.gpus_per_worker"
+    if r.backend == "sglang":
+        require(gpus == r.tp_size, path, gpus, f"tp_size={r.tp_size} (one GPU per tensor-parallel rank)")
+    elif r.backend == "cpu":
+        require(gpus == 0, path, gpus, "0 (the cpu server uses no GPU)")
+    else:
+        require(gpus in (0, 1), path, gpus, "1 (one GPU per FSDP rank) or 0 (CPU ranks over gloo)")
+
+
+def _fewest_nodes(workers: int, gpus: int, gpus_per_node: int) -> int:
+    if gpus == 0:
+        return 1
+    return math.ceil(workers / max(1, gpus_per_node // gpus))
+
+
+def check_algorithm(a: AlgorithmConfig) -> None:
+    one_of("algorithm.advantage", a.advantage, ("group_norm", "group_center", "batch_norm"))
+    one_of("algorithm.loss_agg", a.loss_agg, ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"))
+    one_of("algorithm.kl_estimator", a.kl_estimator, ("k1", "k3"))
+    grouped = a.advantage != "batch_norm"
+    require(a.group_size >= (2 if grouped else 1), "algorithm.group_size", a.group_size, "an integer >= 2 for groups")
+    require(0 <= a.clip_low < 1, "algorithm.clip_low", a.clip_low, "a number in [0, 1)")
+    require(a.clip_high >= 0, "algorithm.clip_high", a.clip_high, "a number >= 0")
+    require(a.kl_coef >= 0, "algorithm.kl_coef", a.kl_coef, "a number >= 0")
+    cap = a.behavior_weight_cap
+    require(cap == 0 or cap >= 1, "algorithm.behavior_weight_cap", cap, "0 (off) or a cap >= 1")
+    require(a.std_eps > 0, "algorithm.std_eps", a.std_eps, "a number > 0")
+    require(a.updates_per_batch >= 1, "algorithm.updates_per_batch", a.updates_per_batch, "an integer >= 1")
+
+
+def check_model(m: ModelConfig) -> None:
+    one_of("model.source", m.source, ("tiny", "local"))
+    require(m.source != "local" or bool(m.path), "model.path", m.path, "a local model directory for source=local")
+    one_of("model.dtype", m.dtype, ("float32", "bfloat16", "float16"))
+    t = m.tiny
+    for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
+        require(getattr(t, name) >= 1, f"model.tiny.{name}", getattr(t, name), "an integer >= 1")
+    ok = t.hidden_size % t.num_heads == 0
+    require(ok, "model.tiny.num_heads", t.num_heads, f"a divisor of hidden_size={t.hidden_size}")
+
+
+def check_dataset(d: DatasetConfig) -> None:
+    one_of("dataset.name", d.name, ("mod10", "files"))
+    require(d.name != "files" or bool(d.train_files), "dataset.train_files", d.train_files, "files for name=files")
+    require(d.train_size >= 1, "dataset.train_size", d.train_size, "an integer >= 1")
+    require(d.eval_size >= 1, "dataset.eval_size", d.eval_size, "an integer >= 1")
+
+
+def check_train(t: TrainConfig) -> None:
+    require(t.lr > 0, "train.lr", t.lr, "a number > 0")
+    require(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "a number >= 0")
+    require(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "a norm >= 0 (0 = no clipping)")
+    require(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "an integer >= 0")
+    one_of("train.lr_schedule", t.lr_schedule, ("constant", "cosine"))
+    require(t.micro_batch_tokens >= 1, "train.micro_batch_tokens", t.micro_batch_tokens, "an integer >= 1")
+    one_of("train.weight_sync", t.weight_sync, ("disk", "distributed"))
+
+
+def check_rollout(r: RolloutConfig) -> None:
+    require(r.prompts_per_step >= 1, "rollout.prompts_per_step", r.prompts_per_step, "an integer >= 1")
+    require(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, "an integer >= 1")
+    require(r.temperature > 0, "rollout.temperature", r.temperature, "a number > 0")
+    require(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "a number in (0, 1]")
+    require(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", r.top_k, "-1 (off) or an integer >= 1")
+    require(r.max_concurrent >= 1, "rollout.max_concurrent", r.max_concurrent, "an integer >= 1")
+    require(r.max_staleness >= 0, "rollout.max_staleness", r.max_staleness, "an integer >= 0")
+    require(r.request_timeout_s > 0, "rollout.request_timeout_s", r.request_timeout_s, "seconds > 0")
+
+
+def warn_ignored(cfg: Config) -> None:
+    """Options that only mean something on Slurm are ignored on a local cluster: say so."""
+    c = cfg.cluster
+    if c.kind != "local":
+        return
+    for name in ("partition", "account", "qos", "extra_sbatch"):
+        if getattr(c, name):
+            log.warning("cluster.%s is ignored with cluster.kind=local", name)

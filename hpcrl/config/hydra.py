@@ -1,0 +1,70 @@
+"""The Hydra edge: schema registration, DictConfig -> Config conversion, and the pre-launch check.
+
+Below this module no code sees a DictConfig: ``to_config`` turns the composed config into plain
+dataclasses once, validated. ``ValidateBeforeLaunch`` runs the same check in the submitting process
+of a multirun (``-m``), so a bad config fails before any Slurm job is submitted.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, NoReturn
+
+from hydra.core.config_store import ConfigStore
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+from hpcrl.config.checks import validate
+from hpcrl.config.errors import ConfigError
+from hpcrl.config.schema import Config
+
+SCHEMA_NAME = "hpcrl_schema"
+
+
+def register_schema() -> None:
+    """Register the root schema once; conf/config.yaml lists it first in its defaults."""
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
+
+
+def to_config(dcfg: DictConfig) -> Config:
+    """Convert a composed config (with or without its ``hydra`` node) to a validated Config."""
+    dcfg = dcfg.copy()
+    with open_dict(dcfg):
+        dcfg.pop("hydra", None)
+    try:
+        cfg = OmegaConf.to_object(dcfg)
+    except MissingMandatoryValue as e:
+        raise ConfigError(_key(e), "???", "a value: this field has no default, set it on the command line") from e
+    except OmegaConfBaseException as e:
+        raise ConfigError(_key(e), getattr(e, "value", None), str(e).splitlines()[0]) from e
+    if not isinstance(cfg, Config):
+        raise ConfigError("<root>", type(cfg).__name__, f"a config composed on {SCHEMA_NAME}")
+    return validate(cfg)
+
+
+def _key(e: OmegaConfBaseException) -> str:
+    return str(getattr(e, "full_key", None) or "<config>")
+
+
+def exit_on_config_error(e: ConfigError) -> NoReturn:
+    """One line on stderr naming the bad field, and exit code 2."""
+    print(f"hpcrl: config error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+def to_config_or_exit(dcfg: DictConfig) -> Config:
+    try:
+        return to_config(dcfg)
+    except ConfigError as e:
+        exit_on_config_error(e)
+
+
+class ValidateBeforeLaunch(Callback):
+    """Fail a multirun before its launcher submits anything when the config is invalid.
+
+    Hydra turns an exception raised in a callback into a warning and goes on, so this exits instead.
+    """
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        to_config_or_exit(config)

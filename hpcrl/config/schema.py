@@ -1,0 +1,179 @@
+"""Typed schemas of every config node.
+
+Hydra composes YAML from ``conf/`` onto these dataclasses (registered once in ``store.py``), so a
+misspelled key or a value of the wrong type fails at composition. Ranges and cross-field rules are
+checked by ``checks.py`` before anything starts. Every field carries a one-line comment with its
+unit or meaning; ``docs`` tooling reads these comments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SERVER_BACKENDS = ("cpu", "sglang")
+TRAINER_BACKENDS = ("fsdp",)
+
+
+@dataclass
+class RunConfig:
+    root: str = "runs"  # directory holding every experiment's run directories
+    experiment: str = "default"  # experiment name: the run directory is <root>/<experiment>/<trial>
+    trial: str = "run"  # trial name (conf/config.yaml makes it a timestamp); set it to resume a run
+    seed: int = 0  # seed for data order, sampling and model init
+    max_steps: int = 200  # step budget: the run stops after this many train steps
+    log_level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR
+
+
+@dataclass
+class RoleAllocation:
+    backend: str = "cpu"  # server: cpu | sglang; trainer: fsdp
+    workers: int = 1  # servers: independent server instances; trainer: torchrun ranks (world size)
+    gpus_per_worker: int | None = None  # GPUs each worker owns; null = backend default (sglang: tp_size, fsdp: 1)
+    tp_size: int = 1  # tensor-parallel degree inside one server (sglang only)
+    nodes: int = 0  # nodes the role spans; 0 = the fewest that fit
+
+
+@dataclass
+class AllocationConfig:
+    spec: str = ""  # one-line shorthand, e.g. "sglang:d4t2+fsdp:d8"; when set it replaces server/trainer
+    server: RoleAllocation = field(default_factory=lambda: RoleAllocation(backend="cpu"))  # inference servers
+    trainer: RoleAllocation = field(default_factory=lambda: RoleAllocation(backend="fsdp", workers=2))  # trainers
+
+    def roles(self) -> dict[str, RoleAllocation]:
+        return {"server": self.server, "trainer": self.trainer}
+
+
+@dataclass
+class NetConfig:
+    family: str = "auto"  # address family to advertise: auto (IPv4, then IPv6) | ipv4 | ipv6
+    interface: str = ""  # network interface whose address workers advertise, e.g. ib0; "" = discover
+    advertise_host: str = ""  # address workers advertise to the controller; "" = discover
+    bind_host: str = ""  # address servers bind; "" = every interface of the advertised family
+    port_min: int = 0  # first port of the range workers take ports from; 0 = default below ephemeral range
+    port_max: int = 0  # one past the last port of that range; 0 = default below ephemeral range
+
+
+@dataclass
+class RoleResources:
+    setup_timeout_s: float = 600.0  # seconds every worker of the role gets to become ready
+    cpus_per_worker: int = 1  # CPU cores per worker (Slurm --cpus-per-task)
+    mem_gb: float = 0.0  # memory per node in GiB; 0 = the scheduler's default
+    partition: str = ""  # Slurm partition for this role; "" = cluster.partition
+    time_min: int = 0  # Slurm time limit for this role in minutes; 0 = cluster.time_min
+    extra_sbatch: list[str] = field(default_factory=list)  # extra sbatch options, e.g. "--constraint=h100"
+    env: dict[str, str] = field(default_factory=dict)  # environment variables for this role's workers
+    setup: list[str] = field(default_factory=list)  # shell lines run before this role's workers start
+
+
+def _default_roles() -> dict[str, RoleResources]:
+    # model loading on big clusters can take well over 5 minutes: servers get 20, trainers 10
+    return {
+        "server": RoleResources(setup_timeout_s=1200.0),
+        "trainer": RoleResources(setup_timeout_s=600.0),
+    }
+
+
+@dataclass
+class ControllerJob:
+    partition: str = ""  # partition of the controller job; "" = cluster.partition
+    time_min: int = 0  # time limit of the controller job in minutes; 0 = cluster.time_min
+    cpus: int = 2  # CPU cores of the controller job
+    mem_gb: float = 8.0  # memory of the controller job in GiB
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local"  # site name, for logs and job names
+    kind: str = "local"  # local (subprocesses on this machine) | slurm
+    gpus_per_node: int = 0  # GPUs on one node; allocations must fit it
+    cpus_per_node: int = 0  # CPU cores on one node; 0 = do not check
+    submit_mode: str = "hetjob"  # slurm: hetjob (one heterogeneous job) | per_role (one job per role)
+    partition: str = ""  # Slurm partition; "" = the site's default
+    account: str = ""  # Slurm account; "" = the user's default
+    qos: str = ""  # Slurm QOS; "" = the partition's default
+    time_min: int = 60  # Slurm time limit of worker jobs in minutes
+    extra_sbatch: list[str] = field(default_factory=list)  # extra sbatch options for every job
+    env: dict[str, str] = field(default_factory=dict)  # environment variables for every worker
+    setup: list[str] = field(default_factory=list)  # shell lines run before every worker, e.g. module load
+    roles: dict[str, RoleResources] = field(default_factory=_default_roles)  # per-role resources and timeouts
+    controller: ControllerJob = field(default_factory=ControllerJob)  # the controller's own Slurm job
+    net: NetConfig = field(default_factory=NetConfig)  # addresses and ports
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "grpo"  # label in logs and metrics; behaviour comes from the fields below
+    advantage: str = "group_norm"  # group_norm: (r-mean)/std in a group | group_center: r-mean | batch_norm
+    loss_agg: str = "seq_mean_token_mean"  # seq_mean_token_mean | token_mean | seq_mean_token_sum_norm
+    group_size: int = 8  # samples per prompt
+    clip_low: float = 0.2  # the ratio is clipped below at 1 - clip_low
+    clip_high: float = 0.2  # the ratio is clipped above at 1 + clip_high (DAPO: clip-higher, 0.28)
+    kl_coef: float = 0.0  # weight of the KL penalty to the reference policy; 0 = no reference model
+    kl_estimator: str = "k3"  # k1: log ratio | k3: unbiased, always >= 0
+    drop_equal_reward_groups: bool = False  # drop groups whose rewards are all equal (DAPO dynamic sampling)
+    behavior_weight_cap: float = 0.0  # decoupled objective: cap on the behaviour importance weight; 0 = off
+    std_eps: float = 1e-6  # added to the group's reward std before dividing
+    updates_per_batch: int = 2  # optimizer updates on each rollout batch (PPO epochs)
+
+
+@dataclass
+class TinyModelConfig:
+    hidden_size: int = 64  # width of the tiny model
+    num_layers: int = 2  # decoder layers of the tiny model
+    num_heads: int = 4  # attention heads of the tiny model
+    intermediate_size: int = 256  # MLP width of the tiny model
+
+
+@dataclass
+class ModelConfig:
+    source: str = "tiny"  # tiny: made from model.tiny in the run directory | local: the directory model.path
+    path: str = ""  # local Hugging Face model directory (source=local)
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)  # sizes of the tiny model (source=tiny)
+
+
+@dataclass
+class DatasetConfig:
+    name: str = "mod10"  # mod10: synthetic "a+b=" -> (a+b) mod 10 | files: local jsonl/parquet
+    train_files: list[str] = field(default_factory=list)  # files for name=files
+    eval_files: list[str] = field(default_factory=list)  # held-out files for name=files
+    prompt_column: str = "prompt"  # column holding the prompt
+    answer_column: str = "answer"  # column holding the reference answer
+    prompt_template: str = "{prompt}"  # Python format string applied to each row
+    train_size: int = 2000  # rows made for a synthetic training set
+    eval_size: int = 200  # rows made for a synthetic held-out set
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 5e-4  # AdamW learning rate
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # max global gradient norm; 0 = no clipping
+    warmup_steps: int = 0  # linear LR warm-up steps
+    lr_schedule: str = "constant"  # constant | cosine (after warm-up)
+    micro_batch_tokens: int = 8192  # tokens per micro-batch on one rank
+    weight_sync: str = "disk"  # how trainers push weights to servers: disk | distributed
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 64  # prompts in one train step's batch (each sampled group_size times)
+    max_new_tokens: int = 4  # new tokens per sample; always sent to the server
+    temperature: float = 1.0  # sampling temperature; logprobs are of the tempered distribution
+    top_p: float = 1.0  # nucleus sampling mass
+    top_k: int = -1  # top-k sampling; -1 = off
+    max_concurrent: int = 512  # episodes in flight at once
+    max_staleness: int = 0  # max policy versions an episode may lag the trainer; 0 = synchronous
+    request_timeout_s: float = 120.0  # deadline of one generate request
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)  # where the run lives and how long it goes
+    allocation: AllocationConfig = field(default_factory=AllocationConfig)  # roles, counts, backends
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # where workers run
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # the RL objective
+    model: ModelConfig = field(default_factory=ModelConfig)  # the policy model
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)  # prompts and answers
+    train: TrainConfig = field(default_factory=TrainConfig)  # optimizer and micro-batching
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # sampling and async bounds

@@ -1,0 +1,1 @@
+"""How processes start: schedulers (local, Slurm) and the worker registry. Knows nothing about RL."""

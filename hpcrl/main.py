@@ -1,0 +1,54 @@
+"""``python -m hpcrl.main [group=option ...] [key=value ...]``: the hpcrl job.
+
+Composes the config with Hydra (``conf/``), validates it before anything starts, makes the run
+directory ``<run.root>/<run.experiment>/<run.trial>/`` and runs the job. With ``-m
+hydra/launcher=submitit_slurm`` the same function runs as a Slurm job; the config is validated in
+the submitting process first (``hpcrl.config.hydra.ValidateBeforeLaunch``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from hpcrl.config import ConfigError, format_spec
+from hpcrl.config.hydra import exit_on_config_error, register_schema, to_config_or_exit
+from hpcrl.config.overrides import check_override_keys, expand_allocation_shorthand
+from hpcrl.logs import setup_logging
+from hpcrl.rundir import RunDir
+
+log = logging.getLogger("hpcrl.main")
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def run(dcfg: DictConfig) -> None:
+    cfg = to_config_or_exit(dcfg)
+    run_dir = RunDir.create(cfg.run.root, cfg.run.experiment, cfg.run.trial)
+    setup_logging("controller", 0, cfg.run.log_level, run_dir.log_file("controller", 0))
+    resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    run_dir.write_config(resolved)
+    print(resolved, end="")
+    log.info(
+        "allocation %s on cluster %s (%s)", format_spec(cfg.allocation.roles()), cfg.cluster.name, cfg.cluster.kind
+    )
+    log.info("run directory %s", run_dir.path)
+    log.warning("training is not built yet: this job composes, validates and prints the config, then stops")
+
+
+def main() -> None:
+    register_schema()
+    sys.argv = expand_allocation_shorthand(sys.argv)
+    try:
+        check_override_keys(sys.argv[1:], CONF_DIR)
+    except ConfigError as e:
+        exit_on_config_error(e)
+    run()
+
+
+if __name__ == "__main__":
+    main()

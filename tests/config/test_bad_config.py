@@ -1,0 +1,112 @@
+"""Each bad config exits non-zero before anything starts, with one message naming field, value and form."""
+
+import pytest
+
+from hpcrl.config import ConfigError
+from tests.config.compose import load
+
+# (overrides, the one line hpcrl prints after "hpcrl: config error: ")
+CLI_CASES = [
+    (["allocation.server.backend=vllm"], "allocation.server.backend='vllm' is invalid: expected one of cpu, sglang"),
+    (
+        ["allocation.trainer.backend=deepspeed"],
+        "allocation.trainer.backend='deepspeed' is invalid: expected one of fsdp",
+    ),
+    (["allocation.trainer.workers=0"], "allocation.trainer.workers=0 is invalid: expected an integer >= 1"),
+    (["allocation.server.workers=-2"], "allocation.server.workers=-2 is invalid: expected an integer >= 1"),
+    (
+        ["allocation=1node_8gpu"],
+        "allocation.server.gpus_per_worker=2 is invalid: expected at most cluster.gpus_per_node=0",
+    ),
+    (
+        ["cluster=slurm", "allocation=sglang:d2t16+fsdp:d8"],
+        "allocation.server.gpus_per_worker=16 is invalid: expected at most cluster.gpus_per_node=8",
+    ),
+    (
+        ["allocation=sglang:d4t2+fsdp"],
+        "allocation.spec='sglang:d4t2+fsdp' is invalid: expected a backend among cpu, sglang, fsdp then ':' in 'fsdp'",
+    ),
+    (
+        ["cluster.roles.server.setup_timeout_s=-5"],
+        "cluster.roles.server.setup_timeout_s=-5.0 is invalid: expected seconds > 0",
+    ),
+    (
+        ["algorithm.clip_hihg=0.3"],
+        "algorithm.clip_hihg='0.3' is invalid: expected a key of algorithm: did you mean 'clip_high'?",
+    ),
+    (["+trainer.lr=1e-4"], "trainer.lr='1e-4' is invalid: expected a key of the root config: did you mean 'train'?"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), CLI_CASES, ids=lambda x: " ".join(x) if isinstance(x, list) else "")
+def test_bad_config_fails_before_launch_with_one_message(main_cli, tmp_path, overrides, message):
+    result = main_cli("run.trial=bad", *overrides)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"hpcrl: config error: {message}"), result.stderr
+    assert result.stdout == ""
+    assert not (tmp_path / "default" / "bad" / "config.yaml").exists(), "nothing may start on a bad config"
+
+
+def test_wrong_type_is_reported_by_hydra_with_the_key(main_cli):
+    result = main_cli("allocation.trainer.workers=abc")
+    assert result.returncode != 0
+    assert "Value 'abc' of type 'str' could not be converted to Integer" in result.stderr
+    assert "full_key: allocation.trainer.workers" in result.stderr
+
+
+def test_misspelled_key_in_a_yaml_file_is_reported_with_the_file(main_cli, tmp_path):
+    site = tmp_path / "conf" / "cluster"
+    site.mkdir(parents=True)
+    (site / "mysite.yaml").write_text("name: mysite\nkind: slurm\npartiton: gpu\n")
+    result = main_cli(f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "cluster=mysite")
+    assert result.returncode != 0
+    assert "Key 'partiton' not in 'ClusterConfig'" in result.stderr and "cluster/mysite" in result.stderr
+
+
+def test_multirun_fails_before_the_launcher_submits(main_cli, tmp_path):
+    result = main_cli("-m", "hydra/launcher=submitit_local", "allocation.trainer.workers=0")
+    assert result.returncode == 2, result.stderr
+    assert "allocation.trainer.workers=0 is invalid" in result.stderr
+    assert not list(tmp_path.rglob(".submitit")), "no job may be submitted on a bad config"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "path", "expected"),
+    [
+        (["cluster.net.port_min=80", "cluster.net.port_max=90"], "cluster.net.port_min", "a port in 1024..65535"),
+        (
+            ["cluster.net.port_min=30000", "cluster.net.port_max=20000"],
+            "cluster.net.port_max",
+            "> cluster.net.port_min",
+        ),
+        (["cluster.net.family=ipv5"], "cluster.net.family", "one of auto, ipv4, ipv6"),
+        (["cluster.kind=kubernetes"], "cluster.kind", "one of local, slurm"),
+        (["cluster.submit_mode=array"], "cluster.submit_mode", "one of hetjob, per_role"),
+        (["cluster=slurm", "allocation.spec=sglang:d4t2+fsdp:d6n4"], "allocation.trainer.nodes", "a divisor"),
+        (["cluster=slurm", "allocation.spec=sglang:d8t2n1+fsdp:d8"], "allocation.server.nodes", "enough nodes"),
+        (["allocation.spec=cpu:d1+fsdp:d4g0n2"], "allocation.trainer.nodes", "1 on cluster.kind=local"),
+        (["allocation.spec=cpu:d1g1+fsdp:d2g0"], "allocation.server.gpus_per_worker", "0 (the cpu server"),
+        (["cluster=slurm", "allocation.spec=sglang:d2t2g1+fsdp:d8"], "allocation.server.gpus_per_worker", "tp_size=2"),
+        (["allocation.spec=cpu:d1t2+fsdp:d2g0"], "allocation.server.tp_size", "1 unless backend is sglang"),
+        (["algorithm.group_size=1"], "algorithm.group_size", ">= 2"),
+        (["algorithm.clip_low=1.5"], "algorithm.clip_low", "[0, 1)"),
+        (["algorithm.advantage=magic"], "algorithm.advantage", "one of group_norm"),
+        (["algorithm.behavior_weight_cap=0.5"], "algorithm.behavior_weight_cap", "a cap >= 1"),
+        (["rollout.max_staleness=-1"], "rollout.max_staleness", "an integer >= 0"),
+        (["rollout.temperature=0"], "rollout.temperature", "a number > 0"),
+        (["train.lr=0"], "train.lr", "a number > 0"),
+        (["train.weight_sync=nfs"], "train.weight_sync", "one of disk, distributed"),
+        (["model=local"], "model.path", "a local model directory"),
+        (["model.tiny.num_heads=3"], "model.tiny.num_heads", "a divisor of hidden_size=64"),
+        (["dataset=files"], "dataset.train_files", "files for name=files"),
+        (["run.trial=a/b"], "run.trial", "without '/'"),
+        (["run.max_steps=0"], "run.max_steps", "an integer >= 1"),
+    ],
+)
+def test_checks_name_the_field_and_the_expected_form(overrides, path, expected):
+    with pytest.raises(ConfigError) as err:
+        load(*overrides)
+    assert err.value.path == path
+    assert expected in err.value.expected
+    assert str(err.value).startswith(f"{path}=")

@@ -1,0 +1,62 @@
+import pytest
+
+from hpcrl.config import ConfigError, format_spec, parse_spec
+from hpcrl.config.schema import ClusterConfig
+from tests.config.compose import load
+
+
+def test_parse_two_roles():
+    roles = parse_spec("sglang:d4t2+fsdp:d8")
+    assert (roles["server"].backend, roles["server"].workers, roles["server"].tp_size) == ("sglang", 4, 2)
+    assert (roles["trainer"].backend, roles["trainer"].workers) == ("fsdp", 8)
+    assert roles["trainer"].gpus_per_worker is None and roles["trainer"].nodes == 0
+
+
+def test_parse_every_field_and_any_order():
+    roles = parse_spec("fsdp:n2d16g1+sglang:t4d8n4")
+    s, t = roles["server"], roles["trainer"]
+    assert (s.workers, s.tp_size, s.nodes) == (8, 4, 4)
+    assert (t.workers, t.gpus_per_worker, t.nodes) == (16, 1, 2)
+
+
+@pytest.mark.parametrize("spec", ["cpu:d1+fsdp:d2g0", "sglang:d4t2+fsdp:d8", "sglang:d8t2n2+fsdp:d16g1n2"])
+def test_format_round_trips(spec):
+    assert parse_spec(format_spec(parse_spec(spec))) == parse_spec(spec)
+
+
+def test_shorthand_equals_the_named_allocation():
+    named = load("cluster=slurm", "allocation=2node_16gpu").allocation
+    short = load("cluster=slurm", "allocation.spec=sglang:d4t2+fsdp:d8").allocation
+    assert named.roles() == short.roles()
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("sglang:d4t2", "a trainer role"),
+        ("fsdp:d8", "a server role"),
+        ("vllm:d4+fsdp:d8", "a backend among cpu, sglang, fsdp"),
+        ("sglang+fsdp:d8", "a backend among"),
+        ("sglang:+fsdp:d8", "fields like d4t2"),
+        ("sglang:d4x2+fsdp:d8", "each of d, t, g, n at most once"),
+        ("sglang:d4d2+fsdp:d8", "each of d, t, g, n at most once"),
+        ("sglang:t2+fsdp:d8", "a worker count d<N>"),
+        ("sglang:d4-2+fsdp:d8", "fields like d4t2"),
+        ("sglang:d4+cpu:d1+fsdp:d8", "a second server"),
+        ("", "a backend among"),
+    ],
+)
+def test_malformed_shorthand_names_field_value_and_form(spec, expected):
+    with pytest.raises(ConfigError) as err:
+        parse_spec(spec)
+    message = str(err.value)
+    assert message.startswith(f"allocation.spec={spec!r} is invalid")
+    assert expected in message and "the form is BACKEND:FIELDS" in message
+
+
+def test_zero_counts_in_shorthand_are_rejected_when_resolved():
+    from hpcrl.config.checks import resolve_allocation
+    from hpcrl.config.schema import AllocationConfig
+
+    with pytest.raises(ConfigError, match=r"allocation.trainer.workers=0 is invalid: expected an integer >= 1"):
+        resolve_allocation(AllocationConfig(spec="cpu:d1+fsdp:d0g0"), ClusterConfig())

@@ -1,0 +1,61 @@
+"""``python -m hpcrl.main`` as a user runs it: a real process, the real conf/."""
+
+import yaml
+
+from tests.conftest import run_main
+
+
+def test_default_job_prints_config_and_says_training_is_not_built(main_cli, tmp_path):
+    result = main_cli("run.trial=first")
+    assert result.returncode == 0, result.stderr
+    printed = yaml.safe_load(result.stdout)
+    assert printed["allocation"]["trainer"] == {
+        "backend": "fsdp",
+        "workers": 2,
+        "gpus_per_worker": 0,
+        "tp_size": 1,
+        "nodes": 1,
+    }
+    assert "training is not built yet" in result.stderr
+    assert "[controller:0]" in result.stderr
+    run_dir = tmp_path / "default" / "first"
+    assert yaml.safe_load((run_dir / "config.yaml").read_text()) == printed
+    assert (run_dir / "logs" / "controller-0.log").read_text().count("[controller:0]") >= 2
+    assert (run_dir / "registry").is_dir() and (run_dir / "checkpoints").is_dir()
+
+
+def test_run_root_experiment_and_trial_set_the_run_directory(tmp_path):
+    result = run_main("run.experiment=exp", "run.trial=t7", f"run.root={tmp_path / 'elsewhere'}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "elsewhere" / "exp" / "t7" / "config.yaml").is_file()
+
+
+def test_shorthand_on_the_command_line(main_cli):
+    result = main_cli("cluster=slurm", "allocation=sglang:d4t2+fsdp:d8", "run.trial=short")
+    assert result.returncode == 0, result.stderr
+    alloc = yaml.safe_load(result.stdout)["allocation"]
+    assert alloc["spec"] == "sglang:d4t2+fsdp:d8"
+    assert (alloc["server"]["backend"], alloc["server"]["workers"], alloc["server"]["tp_size"]) == ("sglang", 4, 2)
+    assert (alloc["trainer"]["workers"], alloc["trainer"]["gpus_per_worker"]) == (8, 1)
+
+
+def test_cfg_job_prints_the_composed_config(main_cli):
+    result = main_cli("--cfg", "job", "algorithm=dapo")
+    assert result.returncode == 0, result.stderr
+    printed = yaml.safe_load(result.stdout)
+    assert printed["algorithm"]["name"] == "dapo" and printed["algorithm"]["clip_high"] == 0.28
+
+
+def test_help_lists_the_groups_and_the_shorthand(main_cli):
+    result = main_cli("--help")
+    assert result.returncode == 0, result.stderr
+    for group in ("allocation: 1node_8gpu, 2node_16gpu, cpu_tiny", "algorithm: dapo, dr_grpo, grpo, ppo"):
+        assert group in result.stdout
+    assert "cluster: local, slurm, slurm_local" in result.stdout
+    assert "sglang:d4t2+fsdp:d8" in result.stdout
+
+
+def test_multirun_with_the_basic_launcher_runs_the_job(main_cli, tmp_path):
+    result = main_cli("-m", "run.trial=swept")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "default" / "swept" / "config.yaml").is_file()
