@@ -18,6 +18,7 @@ from hpcrl.config.schema import (
     ClusterConfig,
     Config,
     DatasetConfig,
+    InferenceConfig,
     ModelConfig,
     NetConfig,
     RoleAllocation,
@@ -42,6 +43,7 @@ def validate(cfg: Config) -> Config:
     check_dataset(cfg.dataset)
     check_train(cfg.train)
     check_rollout(cfg.rollout)
+    check_inference(cfg.inference)
     warn_ignored(cfg)
     return replace(cfg, allocation=allocation)
 
@@ -185,6 +187,15 @@ def check_rollout(r: RolloutConfig) -> None:
     require(r.max_concurrent >= 1, "rollout.max_concurrent", r.max_concurrent, "an integer >= 1")
     require(r.max_staleness >= 0, "rollout.max_staleness", r.max_staleness, "an integer >= 0")
     require(r.request_timeout_s > 0, "rollout.request_timeout_s", r.request_timeout_s, "seconds > 0")
+
+
+def check_inference(i: InferenceConfig) -> None:
+    frac = i.mem_fraction_static
+    require(0 < frac < 1, "inference.mem_fraction_static", frac, "a fraction in (0, 1)")
+    n = i.max_running_requests
+    require(n >= 1, "inference.max_running_requests", n, "an integer >= 1")
+    require(i.batch_wait_ms >= 0, "inference.batch_wait_ms", i.batch_wait_ms, "milliseconds >= 0")
+    require(i.health_poll_s > 0, "inference.health_poll_s", i.health_poll_s, "seconds > 0")
 
 
 def warn_ignored(cfg: Config) -> None:

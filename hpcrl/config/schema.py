@@ -168,6 +168,15 @@ class RolloutConfig:
 
 
 @dataclass
+class InferenceConfig:
+    mem_fraction_static: float = 0.85  # sglang: share of GPU memory for weights and KV cache
+    max_running_requests: int = 256  # the most sequences one server decodes together (one batch)
+    batch_wait_ms: float = 2.0  # cpu server: how long a new request waits for others to share its batch
+    extra_args: list[str] = field(default_factory=list)  # extra `sglang.launch_server` arguments
+    health_poll_s: float = 1.0  # seconds between health checks while a server starts
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)  # where the run lives and how long it goes
     allocation: AllocationConfig = field(default_factory=AllocationConfig)  # roles, counts, backends
@@ -177,3 +186,4 @@ class Config:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)  # prompts and answers
     train: TrainConfig = field(default_factory=TrainConfig)  # optimizer and micro-batching
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # sampling and async bounds
+    inference: InferenceConfig = field(default_factory=InferenceConfig)  # inference server settings

@@ -1,0 +1,100 @@
+"""``python -m hpcrl.models.tiny OUT_DIR``: write a tiny Qwen2-style causal LM and a character tokenizer.
+
+The model is built from a config (no download) and saved in the Hugging Face layout, so the real
+loading path (``AutoModelForCausalLM/AutoTokenizer.from_pretrained(OUT_DIR)``) is what every test and
+the default job exercise. One token per character keeps the tokenizer exact and reversible: a
+multi-turn conversation never drifts when re-tokenised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import string
+from pathlib import Path
+
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
+CHARACTERS = string.digits + string.ascii_letters + string.punctuation + " \n"
+# A minimal chat template so multi-turn workflows can render turns the way real chat models do.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def make_tokenizer():
+    """A character-level tokenizer: ids 0..2 are special, then one id per character."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *CHARACTERS))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def make_tiny_model(
+    out_dir: str | Path,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    intermediate_size: int = 256,
+    max_positions: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Write a seeded tiny Qwen2 model and its tokenizer to ``out_dir``; return the directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    tokenizer = make_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", help="directory to write the model and tokenizer to")
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--intermediate-size", type=int, default=256)
+    parser.add_argument("--max-positions", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    out = make_tiny_model(
+        args.out_dir,
+        hidden_size=args.hidden_size,
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        intermediate_size=args.intermediate_size,
+        max_positions=args.max_positions,
+        seed=args.seed,
+    )
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

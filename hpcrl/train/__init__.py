@@ -1,0 +1,1 @@
+"""Training: the torchrun FSDP2 worker and engine, algorithms, micro-batching, checkpoints, weight push."""
