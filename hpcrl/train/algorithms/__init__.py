@@ -1,0 +1,125 @@
+"""RL objectives as small pure tensor functions, selected by ``AlgorithmConfig`` fields, never by name.
+
+GRPO, Dr. GRPO, DAPO and critic-free PPO differ only in the fields these two entry points read:
+
+- ``compute_advantages(rewards, cfg)``: ``algorithm.advantage`` picks an estimator from ``ESTIMATORS``.
+- ``policy_loss(...)``: the clipped surrogate (``clip_low``/``clip_high``), optionally against a proximal
+  policy with capped behaviour weights (``behavior_weight_cap``), plus ``kl_coef`` times a KL estimate
+  (``kl_estimator``), reduced by ``loss_agg``.
+
+Logprob convention: every ``*logprobs`` tensor holds, per position, the log-probability of the token that
+was sampled there under the *tempered* distribution ``log_softmax(logits / temperature)`` -- the same
+quantity the inference server returns -- so trainer and server ratios compare like with like. Tensors
+are ``[batch, seq]``; ``mask`` is 1 (True) on generated tokens that carry loss and 0 elsewhere.
+Names of the policies:
+
+- ``old_logprobs``: the behaviour policy, the one that sampled the tokens (as the server reported them).
+- ``prox_logprobs``: the proximal policy, the trainer's weights before this update (decoupled PPO only).
+- ``ref_logprobs``: the frozen reference policy of the KL penalty.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+from torch import Tensor
+
+from hpcrl.config.schema import AlgorithmConfig
+from hpcrl.train.algorithms.advantages import ESTIMATORS, equal_reward_groups
+from hpcrl.train.algorithms.aggregate import AGGREGATIONS, aggregate, loss_normalizer
+from hpcrl.train.algorithms.policy import KL_ESTIMATORS, behavior_weights, clipped_surrogate, kl_penalty
+
+__all__ = [
+    "AGGREGATIONS",
+    "ESTIMATORS",
+    "KL_ESTIMATORS",
+    "aggregate",
+    "behavior_weights",
+    "clipped_surrogate",
+    "compute_advantages",
+    "equal_reward_groups",
+    "kl_penalty",
+    "loss_normalizer",
+    "policy_loss",
+]
+
+
+def _pick(options: Collection[str], name: str, field: str) -> None:
+    if name not in options:
+        raise ValueError(f"algorithm.{field} must be one of {sorted(options)}, got {name!r}; fix the config")
+
+
+def compute_advantages(rewards: Tensor, cfg: AlgorithmConfig) -> Tensor:
+    """Advantages ``[num_groups, group_size]`` of rewards of the same shape, by ``cfg.advantage``."""
+    _pick(ESTIMATORS, cfg.advantage, "advantage")
+    if rewards.dim() != 2 or rewards.shape[1] != cfg.group_size:
+        raise ValueError(
+            f"rewards must be [num_groups, algorithm.group_size={cfg.group_size}], got {tuple(rewards.shape)}"
+        )
+    if not rewards.is_floating_point():
+        rewards = rewards.float()
+    return ESTIMATORS[cfg.advantage](rewards, cfg.std_eps)
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: AlgorithmConfig,
+    *,
+    ref_logprobs: Tensor | None = None,
+    prox_logprobs: Tensor | None = None,
+    max_tokens: float | None = None,
+    global_normalizer: Tensor | float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Scalar loss and metrics (token means over this batch's masked tokens).
+
+    ``advantages`` is ``[batch]`` or ``[batch, seq]``. With ``cfg.behavior_weight_cap > 0`` the ratio is
+    taken against ``prox_logprobs`` (required) and each token's loss is scaled by its behaviour weight, 0
+    above the cap; such tokens still count in the normaliser (AReaL), so it depends on ``mask`` alone. With
+    the cap 0, ``prox_logprobs`` is ignored. ``ref_logprobs`` is required when ``cfg.kl_coef > 0``; the KL
+    term is added per token before aggregation and is not behaviour weighted. ``max_tokens`` and
+    ``global_normalizer``: see ``aggregate``.
+    """
+    _pick(AGGREGATIONS, cfg.loss_agg, "loss_agg")
+    _pick(KL_ESTIMATORS, cfg.kl_estimator, "kl_estimator")
+    keep = mask != 0
+    # zero the masked-out positions first: padding may hold inf/NaN logprobs, whose gradient would
+    # poison the real tokens' (0 * inf = NaN) even if the loss there were masked afterwards
+    if advantages.dim() == logprobs.dim() - 1:
+        advantages = advantages.unsqueeze(-1).expand_as(logprobs)
+    logprobs, old_logprobs, advantages = (t.masked_fill(~keep, 0.0) for t in (logprobs, old_logprobs, advantages))
+
+    anchor, weight, kept = old_logprobs, None, keep
+    if cfg.behavior_weight_cap > 0:
+        if prox_logprobs is None:
+            raise ValueError("algorithm.behavior_weight_cap > 0 needs prox_logprobs (the policy before this update)")
+        anchor = prox_logprobs.masked_fill(~keep, 0.0)
+        weight, kept = behavior_weights(anchor, old_logprobs, cfg.behavior_weight_cap)
+        kept = kept & keep
+    per_token, clipped = clipped_surrogate(logprobs, anchor, advantages, cfg.clip_low, cfg.clip_high)
+    if weight is not None:
+        per_token = per_token * weight
+
+    stats: dict[str, Tensor] = {}
+    if cfg.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("algorithm.kl_coef > 0 needs ref_logprobs (the reference policy's logprobs)")
+    if ref_logprobs is not None:
+        kl = kl_penalty(logprobs, ref_logprobs.masked_fill(~keep, 0.0), cfg.kl_estimator)
+        stats["kl"] = _token_mean(kl.detach(), keep)
+        if cfg.kl_coef > 0:
+            per_token = per_token + cfg.kl_coef * kl
+
+    loss = aggregate(per_token, keep, cfg.loss_agg, max_tokens, global_normalizer)
+    stats["clip_frac"] = _token_mean(clipped.to(per_token.dtype), keep)
+    stats["ratio_mean"] = _token_mean(torch.exp(logprobs.detach() - anchor), keep)
+    if weight is not None:
+        stats["behavior_weight_mean"] = _token_mean(weight, kept)
+        stats["behavior_excluded_frac"] = 1.0 - _token_mean(kept.to(per_token.dtype), keep)
+    return loss, dict(zip(stats, torch.stack(list(stats.values())).tolist(), strict=True))  # one device sync
+
+
+def _token_mean(values: Tensor, keep: Tensor) -> Tensor:
+    return torch.where(keep, values, torch.zeros_like(values)).sum() / keep.sum().clamp(min=1)
