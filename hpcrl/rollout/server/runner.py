@@ -1,0 +1,125 @@
+"""The torch side of the CPU server: load a Hugging Face model, prefill and decode one batch, swap weights.
+
+Everything here is synchronous and runs on one dedicated thread, so the HTTP event loop stays free to
+answer health checks, pauses and aborts while a batch decodes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hpcrl.rollout.server.sampling import BatchSampler
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class BatchState:
+    """The tensors of a batch between two decode steps; row i belongs to ``seq_ids[i]``."""
+
+    seq_ids: list[int]
+    attention_mask: torch.Tensor  # [B, L], left-padded prompt plus generated tokens
+    positions: torch.Tensor  # [B], position of the last token of each row
+    cache: object  # transformers DynamicCache
+    sampler: BatchSampler
+    tokens: torch.Tensor  # [B], the tokens sampled last
+    logprobs: torch.Tensor  # [B], their logprobs
+
+
+class ModelRunner:
+    def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model_path = model_path
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype]).eval()
+        self.generator = torch.Generator().manual_seed(seed)
+        config = self.model.config
+        self.vocab_size = config.vocab_size
+        self.max_positions = getattr(config, "max_position_embeddings", 1 << 30)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        log.info("loaded %s (%s, vocab %d, eos %s)", model_path, dtype, self.vocab_size, sorted(self.eos_ids))
+
+    @torch.inference_mode()
+    def prefill(self, seq_ids: list[int], prompts: list[list[int]], sampler: BatchSampler) -> BatchState:
+        from transformers import DynamicCache
+
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        tokens, logprobs = sampler.sample(out.logits[:, -1], self.generator)
+        return BatchState(seq_ids, mask, positions[:, -1], cache, sampler, tokens, logprobs)
+
+    @torch.inference_mode()
+    def decode(self, state: BatchState) -> None:
+        """Feed the last sampled tokens and sample the next ones, in place."""
+        state.attention_mask = torch.cat([state.attention_mask, torch.ones_like(state.tokens)[:, None]], dim=1)
+        state.positions = state.positions + 1
+        out = self.model(
+            input_ids=state.tokens[:, None],
+            attention_mask=state.attention_mask,
+            position_ids=state.positions[:, None],
+            past_key_values=state.cache,
+        )
+        state.tokens, state.logprobs = state.sampler.sample(out.logits[:, -1], self.generator)
+
+    @staticmethod
+    def keep_rows(state: BatchState, rows: list[int]) -> None:
+        """Drop finished rows from the batch (and from the KV cache)."""
+        keep = torch.tensor(rows, dtype=torch.long)
+        state.cache.batch_select_indices(keep)
+        state.seq_ids = [state.seq_ids[r] for r in rows]
+        state.attention_mask = state.attention_mask[keep]
+        state.positions, state.tokens, state.logprobs = state.positions[keep], state.tokens[keep], state.logprobs[keep]
+        state.sampler = state.sampler.select(keep)
+
+    @torch.inference_mode()
+    def load_weights_from_disk(self, model_path: str) -> None:
+        """Load every tensor of a Hugging Face checkpoint directory into the running model."""
+        from safetensors.torch import load_file
+
+        files = sorted(Path(model_path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {model_path}")
+        state = {}
+        for f in files:
+            state.update(load_file(f))
+        self.load_tensors(state)
+        self.model_path = model_path
+
+    @torch.inference_mode()
+    def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy named tensors into the model's parameters; a name the model lacks is an error."""
+        params = dict(self.model.state_dict())
+        unknown = sorted(set(tensors) - set(params))
+        if unknown:
+            raise KeyError(f"the model has no parameter(s) {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
+        for name, value in tensors.items():
+            target = params[name]
+            if target.shape != value.shape:
+                raise ValueError(f"{name}: shape {tuple(value.shape)} does not match the model's {tuple(target.shape)}")
+            target.copy_(value.to(target.dtype))
+
+    def parameter_specs(self) -> dict[str, torch.Tensor]:
+        return dict(self.model.state_dict())
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

@@ -1,0 +1,221 @@
+"""Dynamic batching for the CPU server.
+
+Requests wait in a queue; the scheduler takes up to ``max_running`` of them (after waiting
+``batch_wait_ms`` for more to arrive) and decodes them together, one shared forward pass per step,
+dropping rows as they finish. Between steps it honours pauses (``abort`` ends every running request
+with ``finish_reason.type == "abort"``; ``in_place`` holds them until continue) and per-request aborts.
+
+Weight updates never change weights under a running batch: they wait for it to finish, unless
+generation is paused in place, in which case they apply between two steps (as SGLang does). No batch
+starts while an update waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpcrl.rollout.server.runner import BatchState, ModelRunner
+from hpcrl.rollout.server.sampling import BatchSampler, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Sequence:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    done: asyncio.Future
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    abort_requested: bool = False
+    weight_version: str = ""
+    started: float = field(default_factory=time.monotonic)
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, max_running: int = 256, batch_wait_ms: float = 2.0):
+        self.runner = runner
+        self.max_running = max_running
+        self.batch_wait_s = batch_wait_ms / 1000
+        self.weight_version = "default"
+        self.pause_mode: str | None = None
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[int, Sequence] = {}
+        self._ids = itertools.count()
+        self._work = asyncio.Event()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._changed = asyncio.Condition()  # batch ended, or pause state changed
+        self._batch_active = False
+        self._updates_waiting = 0
+        self._torch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+
+    # ---------------------------------------------------------------- requests
+    async def generate(self, sequences: list[Sequence]) -> None:
+        """Queue sequences and wait until every one has finished."""
+        for seq in sequences:
+            if seq.params.max_new_tokens == 0:
+                self._finish(seq, {"type": "length", "length": 0})
+            else:
+                self.waiting.append(seq)
+        self._work.set()
+        await asyncio.gather(*(seq.done for seq in sequences))
+
+    def abort(self, rid: str | None = None) -> int:
+        """Abort requests whose rid is ``rid`` (or starts with ``rid-``); every request when rid is None."""
+        hit = 0
+        for seq in [*self.waiting, *self.running.values()]:
+            if rid is None or seq.rid == rid or seq.rid.startswith(f"{rid}-"):
+                seq.abort_requested, hit = True, hit + 1
+        for seq in [s for s in self.waiting if s.abort_requested]:
+            self.waiting.remove(seq)
+            self._finish(seq, {"type": "abort", "message": "aborted by /abort_request"})
+        return hit
+
+    async def pause(self, mode: str) -> None:
+        self.pause_mode = mode
+        self._resumed.clear()
+        if mode == "abort":
+            for seq in list(self.waiting):
+                self._finish(seq, {"type": "abort", "message": "generation paused"})
+            self.waiting.clear()
+        await self._notify()
+
+    async def resume(self) -> None:
+        self.pause_mode = None
+        self._resumed.set()
+        self._work.set()
+        await self._notify()
+
+    async def update_weights(self, apply: Callable[[], None], version: str | None) -> None:
+        """Run ``apply`` on the torch thread once no batch decodes on the old weights (see module doc)."""
+        self._updates_waiting += 1
+        try:
+            async with self._changed:
+                await self._changed.wait_for(
+                    lambda: not self._batch_active or self.pause_mode in ("in_place", "retract")
+                )
+            await self._call(apply)
+            if version is not None:
+                self.weight_version = version
+        finally:
+            self._updates_waiting -= 1
+            self._work.set()
+
+    async def call_torch(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on the torch thread (serialised with decoding)."""
+        return await self._call(fn)
+
+    # ---------------------------------------------------------------- the loop
+    async def run_forever(self) -> None:
+        while True:
+            if not self.waiting or self.pause_mode or self._updates_waiting:
+                self._work.clear()
+                await self._work.wait()
+                continue
+            if self.batch_wait_s and len(self.waiting) < self.max_running:
+                await asyncio.sleep(self.batch_wait_s)
+            batch = [self.waiting.popleft() for _ in range(min(self.max_running, len(self.waiting)))]
+            await self._run_batch(batch)
+
+    async def _run_batch(self, batch: list[Sequence]) -> None:
+        self._batch_active = True
+        try:
+            ids = [next(self._ids) for _ in batch]
+            self.running.update(zip(ids, batch, strict=True))
+            sampler = BatchSampler.of([s.params for s in batch], self.runner.vocab_size)
+            prompts = [s.prompt_ids for s in batch]
+            state = await self._call(lambda: self.runner.prefill(ids, prompts, sampler))
+            self._collect(state)
+            while state.seq_ids:
+                if self.pause_mode == "abort":
+                    self._end_all(state, {"type": "abort", "message": "generation paused"})
+                    break
+                if self.pause_mode:
+                    await self._resumed.wait()
+                    continue
+                self._drop_aborted(state)
+                if state.seq_ids:
+                    await self._call(lambda: self.runner.decode(state))
+                    self._collect(state)
+        except Exception as e:
+            log.exception("batch of %d failed", len(batch))
+            for seq in batch:
+                if not seq.done.done():
+                    seq.done.set_exception(e)
+        finally:
+            self.running.clear()
+            self._batch_active = False
+            await self._notify()
+
+    def _collect(self, state: BatchState) -> None:
+        """Append each row's new token; finish rows that stop; drop finished rows from the batch."""
+        keep = []
+        for row, sid in enumerate(state.seq_ids):
+            seq = self.running[sid]
+            seq.output_ids.append(int(state.tokens[row]))
+            seq.logprobs.append(float(state.logprobs[row]))
+            reason = self._stop_reason(seq)
+            if reason is None:
+                keep.append(row)
+            else:
+                self._finish(self.running.pop(sid), reason)
+        if len(keep) < len(state.seq_ids) and keep:
+            ModelRunner.keep_rows(state, keep)
+        elif not keep:
+            state.seq_ids = []
+
+    def _stop_reason(self, seq: Sequence) -> dict[str, Any] | None:
+        token, p = seq.output_ids[-1], seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.runner.eos_ids):
+            return {"type": "stop", "matched": token}
+        if p.stop:
+            text = self.runner.tokenizer.decode(seq.output_ids)
+            for s in p.stop:
+                if s in text:
+                    return {"type": "stop", "matched": s}
+        if len(seq.output_ids) >= p.max_new_tokens:
+            return {"type": "length", "length": len(seq.output_ids)}
+        if len(seq.prompt_ids) + len(seq.output_ids) >= self.runner.max_positions:
+            return {"type": "length", "length": len(seq.output_ids)}
+        return None
+
+    def _drop_aborted(self, state: BatchState) -> None:
+        rows = [r for r, sid in enumerate(state.seq_ids) if not self.running[sid].abort_requested]
+        if len(rows) == len(state.seq_ids):
+            return
+        for sid in state.seq_ids:
+            if self.running[sid].abort_requested:
+                self._finish(self.running.pop(sid), {"type": "abort", "message": "aborted by /abort_request"})
+        if rows:
+            ModelRunner.keep_rows(state, rows)
+        else:
+            state.seq_ids = []
+
+    def _end_all(self, state: BatchState, reason: dict[str, Any]) -> None:
+        for sid in state.seq_ids:
+            self._finish(self.running.pop(sid), reason)
+        state.seq_ids = []
+
+    def _finish(self, seq: Sequence, reason: dict[str, Any]) -> None:
+        seq.finish_reason = reason
+        seq.weight_version = self.weight_version
+        if not seq.done.done():
+            seq.done.set_result(None)
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._torch, fn)
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
