@@ -161,10 +161,11 @@ class Scheduler:
     def _collect(self, state: BatchState) -> None:
         """Append each row's new token; finish rows that stop; drop finished rows from the batch."""
         keep = []
+        tokens, logprobs = state.tokens.tolist(), state.logprobs.tolist()
         for row, sid in enumerate(state.seq_ids):
             seq = self.running[sid]
-            seq.output_ids.append(int(state.tokens[row]))
-            seq.logprobs.append(float(state.logprobs[row]))
+            seq.output_ids.append(tokens[row])
+            seq.logprobs.append(logprobs[row])
             reason = self._stop_reason(seq)
             if reason is None:
                 keep.append(row)

@@ -1,0 +1,288 @@
+"""The async client of a set of inference servers speaking SGLang's HTTP API (hpcrl's CPU server or SGLang).
+
+    async with InferenceClient(["node1:30000", "[::1]:30001"]) as client:
+        await client.wait_healthy(timeout_s=1200, check_alive=job.check_alive)
+        results = await asyncio.gather(*(client.generate(ids, {"max_new_tokens": 256}) for ids in prompts))
+        await client.pause()
+        await client.update_weights_from_disk("/ckpt/step_10", weight_version=10)
+        await client.resume()
+
+Generation goes to one server per request, picked by ``policy``: ``least_loaded`` (fewest requests in
+flight from this client, ties broken round-robin) or ``round_robin``. Control calls (pause, weight
+updates, ...) go to every server concurrently. Retries and timeouts are described in ``client_http``;
+the weight-group collectives are never retried, because a server that joins a collective twice waits for
+a partner that is not coming.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from hpcrl.rollout.client_http import HttpPool, InferenceError
+from hpcrl.rollout.client_wire import GenerateResult, check_sampling, check_success, parse_result
+
+__all__ = ["POLICIES", "GenerateResult", "InferenceClient", "InferenceError"]
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ("least_loaded", "round_robin")
+PAUSE_MODES = ("abort", "retract", "in_place")
+HEALTH_PROBE_TIMEOUT_S = 10.0  # one GET /health; bounds how long check_alive can go uncalled
+DEFAULT_GROUP = "weight_update_group"
+
+
+class InferenceClient:
+    """Owns one aiohttp session; use it as ``async with InferenceClient(addresses) as client``."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        request_timeout_s: float = 120.0,  # deadline of one HTTP request (one attempt)
+        max_retries: int = 3,  # extra attempts after a connection error or HTTP 5xx
+        backoff_s: float = 0.5,  # pause before the first retry; doubles on each further one
+        policy: str = "least_loaded",  # least_loaded | round_robin: which server a generate request goes to
+        max_connections: int = 1024,  # open connections at most, all servers together
+    ) -> None:
+        _check_args(addresses, request_timeout_s, max_retries, backoff_s, policy, max_connections)
+        self.addresses = list(addresses)
+        self.policy = policy
+        self.request_timeout_s = request_timeout_s
+        self._http = HttpPool(
+            self.addresses,
+            timeout_s=request_timeout_s,
+            max_retries=max_retries,
+            backoff_s=backoff_s,
+            max_connections=max_connections,
+        )
+        self._cursor = 0  # where the next round-robin scan starts
+
+    async def __aenter__(self) -> InferenceClient:
+        await self._http.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._http.close()
+
+    @property
+    def in_flight(self) -> dict[str, int]:
+        """Generate requests sent and not yet answered, per server (a copy, for metrics)."""
+        return dict(self._http.in_flight)
+
+    def pick(self, avoid: Sequence[str] = ()) -> str:
+        """The server the next generate request goes to; ``avoid`` (failed ones) unless all are avoided."""
+        n = len(self.addresses)
+        order = [self.addresses[(self._cursor + i) % n] for i in range(n)]
+        candidates = [server for server in order if server not in avoid] or order
+        if self.policy == "round_robin":
+            choice = candidates[0]
+        else:  # min() keeps the first of equals, so ties go round-robin from the cursor
+            choice = min(candidates, key=self._http.in_flight.__getitem__)
+        self._cursor = (self.addresses.index(choice) + 1) % n
+        return choice
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        *,
+        return_logprob: bool = True,
+        rid: str | None = None,
+        server: str | None = None,
+    ) -> GenerateResult:
+        """Generate from one prompt on ``server``, or on a server picked by the policy (again on each retry)."""
+        check_sampling(sampling_params)
+        if not input_ids:
+            raise ValueError("input_ids is empty; a prompt needs at least one token")
+        payload: dict[str, Any] = {
+            "input_ids": input_ids,
+            "sampling_params": sampling_params,
+            "return_logprob": return_logprob,
+        }
+        if rid is not None:
+            payload["rid"] = rid
+        chosen, answer = await self._http.call(self._chooser(server), "POST", "/generate", payload, count=1)
+        return parse_result(chosen, answer, return_logprob)
+
+    async def generate_many(
+        self,
+        input_ids: list[list[int]],
+        sampling_params: dict[str, Any],
+        *,
+        return_logprob: bool = True,
+        server: str | None = None,
+    ) -> list[GenerateResult]:
+        """Generate from several prompts in one batched request to one server; results in prompt order."""
+        check_sampling(sampling_params)
+        if not input_ids or not all(input_ids):
+            raise ValueError("input_ids must be a non-empty list of non-empty prompts")
+        payload = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
+        chosen, answer = await self._http.call(
+            self._chooser(server), "POST", "/generate", payload, count=len(input_ids)
+        )
+        if not isinstance(answer, list) or len(answer) != len(input_ids):
+            raise InferenceError(
+                f"POST /generate on {chosen} answered a batch of {len(input_ids)} prompts with "
+                f"{len(answer) if isinstance(answer, list) else type(answer).__name__} results",
+                server=chosen,
+                endpoint="/generate",
+            )
+        return [parse_result(chosen, item, return_logprob) for item in answer]
+
+    async def wait_healthy(
+        self, timeout_s: float, check_alive: Callable[[], None] | None = None, poll_s: float = 1.0
+    ) -> None:
+        """Poll GET /health on every server until each has answered 200 once.
+
+        ``check_alive()`` runs before every poll and should raise if a server's process or job has died;
+        its exception propagates at once. At the deadline, InferenceError names the servers not healthy.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        pending = dict.fromkeys(self.addresses, "not polled")  # server -> why it is not healthy yet
+        while True:
+            if check_alive is not None:
+                check_alive()
+            probe_s = min(max(deadline - loop.time(), 0.1), HEALTH_PROBE_TIMEOUT_S)
+            errors = await asyncio.gather(*(self._http.probe_health(s, probe_s) for s in pending))
+            for server, error in zip(list(pending), errors, strict=True):
+                if error:
+                    pending[server] = error
+                else:
+                    del pending[server]
+                    logger.info("inference server %s is healthy", server)
+            if not pending:
+                return
+            if loop.time() >= deadline:
+                raise InferenceError(
+                    f"{len(pending)} of {len(self.addresses)} inference servers not healthy after {timeout_s:g} s: "
+                    + ", ".join(f"{s} ({why})" for s, why in pending.items())
+                    + ". Check their logs; if they are still loading the model, raise the health timeout",
+                    server=next(iter(pending)),
+                )
+            await asyncio.sleep(min(poll_s, max(deadline - loop.time(), 0.0)))
+
+    async def pause(self, mode: str = "abort") -> None:
+        """Stop generation on every server; ``abort`` ends running requests with finish_reason "abort"."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        await self._http.call_all("POST", "/pause_generation", self._same({"mode": mode}))
+
+    async def resume(self) -> None:
+        await self._http.call_all("POST", "/continue_generation", self._same({}))
+
+    async def flush_cache(self) -> None:
+        """Drop every server's prefix cache (SGLang refuses with HTTP 400 while requests are running)."""
+        await self._http.call_all("POST", "/flush_cache", self._same(None), expect_json=False)
+
+    async def model_info(self) -> dict[str, dict[str, Any]]:
+        """GET /model_info of every server, by address."""
+        return await self._http.call_all("GET", "/model_info", self._same(None))
+
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | int, *, timeout_s: float | None = None
+    ) -> None:
+        """Every server loads the checkpoint at ``model_path`` (a path each server's node can read)."""
+        payload = {"model_path": model_path, "weight_version": str(weight_version), "flush_cache": True}
+        await self._http.call_all(
+            "POST", "/update_weights_from_disk", self._same(payload), timeout_s=timeout_s, check=check_success
+        )
+
+    def weights_group_world_size(self, ranks_per_server: int = 1) -> int:
+        """World size of the weight-update group: the trainer's rank 0 plus every server rank."""
+        return 1 + len(self.addresses) * ranks_per_server
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        group_name: str = DEFAULT_GROUP,
+        backend: str = "gloo",
+        *,
+        ranks_per_server: int = 1,
+        timeout_s: float | None = None,
+    ) -> int:
+        """Make every server join the trainer's process group; returns its world size.
+
+        Server i takes ranks ``1 + i * ranks_per_server`` onwards (its tensor-parallel ranks); the trainer
+        is rank 0 and must call ``init_process_group`` concurrently, or every server waits for it.
+        """
+        if ranks_per_server < 1:
+            raise ValueError(f"ranks_per_server must be >= 1 (a server's tensor-parallel size), got {ranks_per_server}")
+        world_size = self.weights_group_world_size(ranks_per_server)
+        payloads = {
+            server: {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": 1 + i * ranks_per_server,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            }
+            for i, server in enumerate(self.addresses)
+        }
+        await self._collective("/init_weights_update_group", payloads, timeout_s)
+        return world_size
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        weight_version: str | int,
+        group_name: str = DEFAULT_GROUP,
+        *,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Every server receives these tensors by broadcast from the trainer, which sends them concurrently."""
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(
+                f"names, dtypes and shapes must have one entry per tensor, got {len(names)}, {len(dtypes)} "
+                f"and {len(shapes)}"
+            )
+        payload = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(shape) for shape in shapes],
+            "group_name": group_name,
+            "weight_version": str(weight_version),
+            "flush_cache": True,
+        }
+        await self._collective("/update_weights_from_distributed", self._same(payload), timeout_s)
+
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> None:
+        await self._collective("/destroy_weights_update_group", self._same({"group_name": group_name}), None)
+
+    async def _collective(self, endpoint: str, payloads: dict[str, Any], timeout_s: float | None) -> None:
+        await self._http.call_all("POST", endpoint, payloads, retries=0, timeout_s=timeout_s, check=check_success)
+
+    def _same(self, payload: Any) -> dict[str, Any]:
+        return dict.fromkeys(self.addresses, payload)
+
+    def _chooser(self, server: str | None) -> Callable[[list[str]], str]:
+        if server is None:
+            return self.pick
+        if server not in self._http.in_flight:
+            raise ValueError(f"server {server!r} is not one of this client's servers: {', '.join(self.addresses)}")
+        return lambda _tried: server
+
+
+def _check_args(
+    addresses: Sequence[str], timeout_s: float, max_retries: int, backoff_s: float, policy: str, max_connections: int
+) -> None:
+    if isinstance(addresses, str) or not addresses:
+        raise ValueError(f"addresses must be a non-empty list of host:port strings, got {addresses!r}")
+    if len(set(addresses)) != len(addresses):
+        raise ValueError(f"addresses must not repeat a server, got {list(addresses)}")
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if not timeout_s > 0:
+        raise ValueError(f"request_timeout_s must be > 0, got {timeout_s}")
+    if max_retries < 0:
+        raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+    if backoff_s < 0:
+        raise ValueError(f"backoff_s must be >= 0, got {backoff_s}")
+    if max_connections < 1:
+        raise ValueError(f"max_connections must be >= 1, got {max_connections}")

@@ -1,0 +1,70 @@
+"""SGLang's /generate and weight-update answers, read into hpcrl's types, with the checks on them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hpcrl.rollout.client_http import InferenceError
+
+
+@dataclass(slots=True)
+class GenerateResult:
+    output_ids: list[int]  # the generated tokens, without the prompt
+    logprobs: list[float]  # logprob of each output token under the sampling distribution; [] if not requested
+    finish_reason: str  # "stop" | "length" | "abort" (meta_info.finish_reason.type)
+    weight_version: str | int | None  # the server's weight version when it answered
+    server: str  # host:port of the server that generated it
+    meta_info: dict[str, Any]  # the server's meta_info as sent (token counts, latency, ...)
+
+
+def check_sampling(sampling_params: dict[str, Any]) -> None:
+    if sampling_params.get("max_new_tokens") is None:
+        raise ValueError(
+            "sampling_params must set max_new_tokens; the server would otherwise silently stop at its default "
+            f"of 128 tokens. Got {sampling_params!r}"
+        )
+    if sampling_params.get("n", 1) != 1:
+        raise ValueError(
+            f"sampling_params n={sampling_params['n']} is not supported: the answer would be a list per prompt; "
+            "send n separate requests (asyncio.gather) instead"
+        )
+
+
+def check_success(server: str, endpoint: str, answer: Any) -> None:
+    if not isinstance(answer, dict) or answer.get("success") is not True:
+        message = answer.get("message") if isinstance(answer, dict) else answer
+        raise InferenceError(
+            f"POST {endpoint} on {server} reported failure: {message}", server=server, endpoint=endpoint
+        )
+
+
+def parse_result(server: str, answer: Any, return_logprob: bool) -> GenerateResult:
+    try:
+        meta = answer["meta_info"]
+        output_ids = [int(token) for token in answer["output_ids"]]
+        finish = meta["finish_reason"]
+        reason = finish["type"] if isinstance(finish, dict) else finish
+        entries = meta["output_token_logprobs"] if return_logprob else []
+        logprobs = [float(entry[0]) for entry in entries]
+        logprob_ids = [int(entry[1]) for entry in entries]
+    except (KeyError, IndexError, TypeError, ValueError) as error:
+        raise InferenceError(
+            f"POST /generate on {server} answered without the expected output_ids / meta_info fields "
+            f"({type(error).__name__}: {error}): {str(answer)[:500]}",
+            server=server,
+            endpoint="/generate",
+        ) from error
+    if not isinstance(reason, str):
+        raise InferenceError(
+            f"POST /generate on {server} answered with finish_reason {finish!r}, expected a type", server=server
+        )
+    if return_logprob and logprob_ids != output_ids:
+        # A shifted or truncated logprob list would silently corrupt the policy-gradient ratio.
+        raise InferenceError(
+            f"POST /generate on {server} answered {len(output_ids)} output_ids but output_token_logprobs for "
+            f"tokens {logprob_ids[:8]}... ({len(logprob_ids)} entries) that do not match them",
+            server=server,
+            endpoint="/generate",
+        )
+    return GenerateResult(output_ids, logprobs, reason, meta.get("weight_version"), server, meta)
