@@ -1,0 +1,89 @@
+"""The command line of one inference server, for each server backend (``allocation.server.backend``).
+
+Both backends speak SGLang's HTTP API; the scheduler runs the argv returned here without a shell.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from hpcrl.config.schema import SERVER_BACKENDS, InferenceConfig
+from hpcrl.rollout.sglang import bind_host_arg, port_arg, sglang_command
+
+log = logging.getLogger(__name__)
+
+
+def server_command(
+    backend: str,
+    model_path: str | Path,
+    host: str,
+    port: int,
+    *,
+    tp_size: int,
+    inference: InferenceConfig,
+    dtype: str,
+    seed: int,
+    python: str = sys.executable,
+) -> list[str]:
+    """The argv that starts one server of ``backend`` bound to ``host:port``."""
+    build = _BUILDERS.get(backend)
+    if build is None:
+        raise ValueError(
+            f"unknown server backend {backend!r}: expected one of {', '.join(SERVER_BACKENDS)} "
+            "(allocation.server.backend)"
+        )
+    return build(str(model_path), host, port, tp_size, inference, dtype, seed, python)
+
+
+def _sglang(
+    model_path: str, host: str, port: int, tp_size: int, inf: InferenceConfig, dtype: str, seed: int, python: str
+) -> list[str]:
+    return sglang_command(
+        model_path,
+        host,
+        port,
+        tp_size=tp_size,
+        mem_fraction_static=inf.mem_fraction_static,
+        dtype=dtype,
+        seed=seed,
+        extra_args=inf.extra_args,
+        python=python,
+        max_running_requests=inf.max_running_requests,
+    )
+
+
+def _cpu(
+    model_path: str, host: str, port: int, tp_size: int, inf: InferenceConfig, dtype: str, seed: int, python: str
+) -> list[str]:
+    if tp_size != 1:
+        raise ValueError(f"allocation.server.tp_size={tp_size}, but the cpu backend runs one process: use 1")
+    if inf.extra_args:
+        log.warning("inference.extra_args %s is ignored with the cpu server backend", inf.extra_args)
+    return [
+        python,
+        "-m",
+        "hpcrl.rollout.server",
+        "--model-path",
+        model_path,
+        "--host",
+        bind_host_arg(host),
+        "--port",
+        port_arg(port),
+        "--max-running-requests",
+        str(inf.max_running_requests),
+        "--batch-wait-ms",
+        repr(float(inf.batch_wait_ms)),
+        "--dtype",
+        dtype,
+        "--seed",
+        str(seed),
+    ]
+
+
+_BUILDERS: dict[str, Callable[[str, str, int, int, InferenceConfig, str, int, str], list[str]]] = {
+    "sglang": _sglang,
+    "cpu": _cpu,
+}

@@ -1,0 +1,131 @@
+"""The SGLang server launch: its command line and the environment it gets on a cluster.
+
+``sglang_command`` builds ``python -m sglang.launch_server ...`` as an argv list. Flags that hpcrl
+sets from the config cannot be repeated in ``inference.extra_args``: SGLang parses with argparse,
+which keeps the last occurrence of a flag without a word, and also accepts unambiguous prefixes
+(``--tp 2`` means ``--tp-size 2``), so both forms are refused here, before anything is launched.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from hpcrl.net import is_ipv6
+
+# Model loading on big clusters can take well over 5 minutes (weights from a shared filesystem,
+# CUDA graph capture), so a server gets 20 minutes to become healthy.
+SGLANG_SETUP_TIMEOUT_S = 1200
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # same names in hpcrl's config and SGLang's --dtype
+
+# The flags hpcrl sets -> (other spellings SGLang accepts, the config field to change instead)
+MANAGED_FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
+    "--model-path": (("--model",), "model.path / model.source"),
+    "--host": ((), "cluster.net.bind_host"),
+    "--port": ((), "cluster.net.port_min / port_max"),
+    "--tp-size": (("--tensor-parallel-size",), "allocation.server.tp_size"),
+    "--mem-fraction-static": ((), "inference.mem_fraction_static"),
+    "--dtype": ((), "model.dtype"),
+    "--random-seed": ((), "run.seed"),
+    "--max-running-requests": ((), "inference.max_running_requests"),
+}
+
+_PROXY_VARS = ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")
+# Addresses SGLang's start-up warm-up may dial: it requests its own --host, a wildcard included.
+_LOCAL_ADDRESSES = ("localhost", "127.0.0.1", "::1", "0.0.0.0", "::")
+
+
+def sglang_command(
+    model_path: str | Path,
+    host: str,
+    port: int,
+    tp_size: int = 1,
+    mem_fraction_static: float = 0.85,
+    dtype: str = "auto",
+    seed: int = 0,
+    extra_args: Sequence[str] = (),
+    python: str = sys.executable,
+    *,
+    max_running_requests: int | None = None,
+) -> list[str]:
+    """The argv that starts one SGLang server; ``extra_args`` are appended verbatim, one item per argv element."""
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size} (allocation.server.tp_size)")
+    if not 0 < mem_fraction_static < 1:
+        raise ValueError(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)} (model.dtype)")
+    cmd = [python, "-m", "sglang.launch_server"]
+    cmd += ["--model-path", str(model_path), "--host", bind_host_arg(host), "--port", port_arg(port)]
+    cmd += ["--tp-size", str(tp_size), "--mem-fraction-static", repr(float(mem_fraction_static))]
+    cmd += ["--dtype", dtype, "--random-seed", str(seed)]
+    if max_running_requests is not None:
+        cmd += ["--max-running-requests", str(max_running_requests)]
+    return cmd + check_extra_args(extra_args)
+
+
+def check_extra_args(extra_args: Sequence[str]) -> list[str]:
+    """Return ``extra_args`` as a list, or raise ValueError if one repeats a flag hpcrl sets."""
+    args = list(extra_args)
+    for item in args:
+        if not isinstance(item, str):
+            raise ValueError(f"inference.extra_args items must be strings, got {item!r} in {args!r}")
+        if not item.startswith("--") or item == "--":
+            continue
+        flag = item.split("=", 1)[0]
+        if any(c.isspace() for c in flag):
+            raise ValueError(
+                f"inference.extra_args item {item!r} holds a flag and a value in one argv element; "
+                f"write them as two items ['{flag.split()[0]}', '...'] or as '--flag=value'"
+            )
+        for managed, (aliases, field) in MANAGED_FLAGS.items():
+            if any(spelling.startswith(flag) for spelling in (managed, *aliases)):
+                raise ValueError(
+                    f"inference.extra_args sets {flag}, but hpcrl already passes {managed} to SGLang, which "
+                    f"would silently keep the last one; remove {flag} from inference.extra_args and set {field}"
+                )
+    return args
+
+
+def sglang_env(base_env: Mapping[str, str], bind_host: str = "") -> dict[str, str]:
+    """The environment for an SGLang server: ``base_env`` plus the variables below.
+
+    ``base_env`` should be the whole environment the server will see (``os.environ`` with the
+    cluster and role ``env`` applied), since each variable is judged against it.
+
+    - ``PYTHONUNBUFFERED=1`` unless set: the server's stdout is a log file, which Python would
+      block-buffer, so the last lines before a crash (what ``ChildExited`` shows) could be lost.
+    - ``no_proxy`` / ``NO_PROXY`` extended with loopback, the wildcards and ``bind_host`` when an
+      HTTP proxy variable is set (common on clusters, for downloads): SGLang's start-up warm-up
+      requests its own ``--host`` with an HTTP client that honours proxy variables, and through a
+      proxy it gets an error and the server aborts (sgl-project/sglang issues #2193, #4935, #9814).
+      Both spellings get the union of their entries, so neither hides the other.
+    """
+    env = dict(base_env)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if any(env.get(name) for name in _PROXY_VARS):
+        entries: list[str] = []
+        for value in (env.get("no_proxy", ""), env.get("NO_PROXY", "")):
+            entries += [e.strip() for e in value.split(",") if e.strip()]
+        extra = [*_LOCAL_ADDRESSES, bind_host_arg(bind_host)] if bind_host else list(_LOCAL_ADDRESSES)
+        merged = ",".join(dict.fromkeys(entries + extra))
+        env["no_proxy"] = env["NO_PROXY"] = merged
+    return env
+
+
+def bind_host_arg(host: str) -> str:
+    """``host`` as a server's ``--host`` wants it: a bind address, so IPv6 without brackets."""
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not bare:
+        raise ValueError("the server's bind host is empty; pass an address such as 0.0.0.0 or :: (cluster.net)")
+    if ":" in bare and not is_ipv6(bare):
+        raise ValueError(f"bind host {host!r} contains ':' but is not an IPv6 address; pass a name or an IP")
+    return bare
+
+
+def port_arg(port: int) -> str:
+    if not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ValueError(f"server port must be an integer in 1..65535, got {port!r}")
+    return str(port)

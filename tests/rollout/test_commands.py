@@ -1,0 +1,162 @@
+"""The exact command lines of both server backends, and what SGLang's extra arguments may not do."""
+
+import logging
+
+import pytest
+
+from hpcrl.config.schema import InferenceConfig
+from hpcrl.rollout.commands import server_command
+from hpcrl.rollout.sglang import SGLANG_SETUP_TIMEOUT_S, sglang_command, sglang_env
+
+PY = "/opt/venv/bin/python"
+
+
+def command(backend: str, host: str = "0.0.0.0", tp_size: int = 1, **inference) -> list[str]:
+    return server_command(
+        backend,
+        "/models/tiny",
+        host,
+        30000,
+        tp_size=tp_size,
+        inference=InferenceConfig(**inference),
+        dtype="bfloat16",
+        seed=7,
+        python=PY,
+    )
+
+
+def test_sglang_command_with_tensor_parallelism():
+    assert command("sglang", tp_size=2, mem_fraction_static=0.7, max_running_requests=64) == [
+        PY, "-m", "sglang.launch_server",
+        "--model-path", "/models/tiny",
+        "--host", "0.0.0.0",
+        "--port", "30000",
+        "--tp-size", "2",
+        "--mem-fraction-static", "0.7",
+        "--dtype", "bfloat16",
+        "--random-seed", "7",
+        "--max-running-requests", "64",
+    ]  # fmt: skip
+
+
+def test_sglang_command_defaults():
+    assert sglang_command("/m", "node1", 8000, python=PY) == [
+        PY, "-m", "sglang.launch_server", "--model-path", "/m", "--host", "node1", "--port", "8000",
+        "--tp-size", "1", "--mem-fraction-static", "0.85", "--dtype", "auto", "--random-seed", "0",
+    ]  # fmt: skip
+    assert SGLANG_SETUP_TIMEOUT_S == 20 * 60
+
+
+def test_extra_args_are_appended_verbatim_one_argv_element_each():
+    extra = [
+        "--max-total-tokens",
+        "4096",
+        "--json-model-override-args",
+        '{"rope_scaling": null}',
+        "--log-level=warning",
+    ]
+    cmd = command("sglang", extra_args=extra)
+    assert cmd[-len(extra) :] == extra
+    assert cmd.index("--random-seed") < cmd.index("--max-total-tokens")
+
+
+@pytest.mark.parametrize(
+    ("host", "expected"),
+    [("::", "::"), ("[::1]", "::1"), ("fe80::1%eth0", "fe80::1%eth0"), ("[2001:db8::5]", "2001:db8::5")],
+)
+def test_ipv6_bind_hosts_go_without_brackets(host, expected):
+    for backend in ("sglang", "cpu"):
+        cmd = command(backend, host=host)
+        assert cmd[cmd.index("--host") + 1] == expected
+
+
+@pytest.mark.parametrize("host", ["", "[]", "not:an:address"])
+def test_bad_bind_hosts_are_refused(host):
+    with pytest.raises(ValueError, match="host"):
+        command("sglang", host=host)
+
+
+@pytest.mark.parametrize(
+    ("extra", "managed", "field"),
+    [
+        (["--port", "9000"], "--port", "cluster.net.port_min"),
+        (["--port=9000"], "--port", "cluster.net.port_min"),
+        (["--tp", "2"], "--tp-size", "allocation.server.tp_size"),  # argparse takes unique prefixes
+        (["--tensor-parallel-size", "2"], "--tp-size", "allocation.server.tp_size"),
+        (["--model", "/other"], "--model-path", "model.path"),
+        (["--enable-metrics", "--random-seed=3"], "--random-seed", "run.seed"),
+        (["--mem-fraction-static", "0.5"], "--mem-fraction-static", "inference.mem_fraction_static"),
+        (["--dtype", "half"], "--dtype", "model.dtype"),
+        (["--host", "::"], "--host", "cluster.net.bind_host"),
+        (["--max-running-requests", "8"], "--max-running-requests", "inference.max_running_requests"),
+    ],
+)
+def test_extra_args_repeating_a_flag_hpcrl_sets_are_refused(extra, managed, field):
+    with pytest.raises(ValueError, match=r"inference\.extra_args") as info:
+        command("sglang", extra_args=extra)
+    assert managed in str(info.value) and field in str(info.value)
+
+
+def test_extra_args_that_are_not_separate_argv_elements_are_refused():
+    with pytest.raises(ValueError, match=r"inference\.extra_args.*two items"):
+        command("sglang", extra_args=["--max-total-tokens 4096"])
+    with pytest.raises(ValueError, match=r"inference\.extra_args"):
+        command("sglang", extra_args=["--max-total-tokens", 4096])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "auto"])
+def test_dtypes_pass_through(dtype):
+    cmd = sglang_command("/m", "::", 1, dtype=dtype)
+    assert cmd[cmd.index("--dtype") + 1] == dtype
+
+
+def test_bad_values_are_refused_before_launch():
+    with pytest.raises(ValueError, match=r"model\.dtype"):
+        sglang_command("/m", "::", 1, dtype="fp8")
+    with pytest.raises(ValueError, match="tp_size"):
+        sglang_command("/m", "::", 1, tp_size=0)
+    with pytest.raises(ValueError, match="port"):
+        sglang_command("/m", "::", 70000)
+
+
+def test_cpu_server_command():
+    assert command("cpu", max_running_requests=32, batch_wait_ms=2.5) == [
+        PY, "-m", "hpcrl.rollout.server",
+        "--model-path", "/models/tiny",
+        "--host", "0.0.0.0",
+        "--port", "30000",
+        "--max-running-requests", "32",
+        "--batch-wait-ms", "2.5",
+        "--dtype", "bfloat16",
+        "--seed", "7",
+    ]  # fmt: skip
+
+
+def test_cpu_server_refuses_tensor_parallelism_and_warns_about_extra_args(caplog):
+    with pytest.raises(ValueError, match="tp_size"):
+        command("cpu", tp_size=2)
+    with caplog.at_level(logging.WARNING):
+        cmd = command("cpu", extra_args=["--enable-metrics"])
+    assert "--enable-metrics" not in cmd
+    assert "inference.extra_args" in caplog.text and "ignored" in caplog.text
+
+
+def test_unknown_backend_is_named():
+    with pytest.raises(ValueError, match=r"'vllm'.*cpu, sglang"):
+        command("vllm")
+
+
+def test_sglang_env_sets_only_what_is_absent():
+    assert sglang_env({"PATH": "/bin"}) == {"PATH": "/bin", "PYTHONUNBUFFERED": "1"}
+    base = {"PYTHONUNBUFFERED": "0"}
+    assert sglang_env(base) == {"PYTHONUNBUFFERED": "0"}
+    assert base == {"PYTHONUNBUFFERED": "0"}  # the input is not changed
+
+
+def test_sglang_env_keeps_the_warm_up_off_the_proxy():
+    env = sglang_env({"http_proxy": "http://proxy:3128", "NO_PROXY": "example.org, .site"}, bind_host="[fd00::7]")
+    for name in ("no_proxy", "NO_PROXY"):
+        entries = env[name].split(",")
+        assert entries[:2] == ["example.org", ".site"]
+        assert {"localhost", "127.0.0.1", "::1", "0.0.0.0", "::", "fd00::7"} <= set(entries)
+    assert env["http_proxy"] == "http://proxy:3128"
