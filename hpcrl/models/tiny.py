@@ -29,9 +29,7 @@ def make_tokenizer():
     vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *CHARACTERS))}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     core.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
-    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 

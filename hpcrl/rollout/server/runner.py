@@ -6,6 +6,7 @@ answer health checks, pauses and aborts while a batch decodes.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,8 @@ class ModelRunner:
         self.max_positions = getattr(config, "max_position_embeddings", 1 << 30)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        # transformers 5 renamed the forward's past_key_values to cache; 4.x (SGLang's pins) knows only the old name
+        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         log.info("loaded %s (%s, vocab %d, eos %s)", model_path, dtype, self.vocab_size, sorted(self.eos_ids))
 
     @torch.inference_mode()
@@ -59,7 +62,7 @@ class ModelRunner:
             mask[row, width - len(prompt) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **{self._cache_kw: cache})
         tokens, logprobs = sampler.sample(out.logits[:, -1], self.generator)
         return BatchState(seq_ids, mask, positions[:, -1], cache, sampler, tokens, logprobs)
 
@@ -72,7 +75,7 @@ class ModelRunner:
             input_ids=state.tokens[:, None],
             attention_mask=state.attention_mask,
             position_ids=state.positions[:, None],
-            past_key_values=state.cache,
+            **{self._cache_kw: state.cache},
         )
         state.tokens, state.logprobs = state.sampler.sample(out.logits[:, -1], self.generator)
 
@@ -85,6 +88,28 @@ class ModelRunner:
         state.attention_mask = state.attention_mask[keep]
         state.positions, state.tokens, state.logprobs = state.positions[keep], state.tokens[keep], state.logprobs[keep]
         state.sampler = state.sampler.select(keep)
+
+    @staticmethod
+    def merge(state: BatchState, joining: BatchState) -> None:
+        """Add the rows of a freshly prefilled batch to a running one (continuous batching), in place.
+
+        The narrower batch is padded on the left, in its attention mask and its KV cache alike; every row
+        carries its own positions, so padding never shifts a token.
+        """
+        width = max(state.attention_mask.shape[1], joining.attention_mask.shape[1])
+        a, b = _kv(state.cache), _kv(joining.cache)
+        merged = [
+            tuple(torch.cat([_left_pad(x, width, 2), _left_pad(y, width, 2)]) for x, y in zip(pa, pb, strict=True))
+            for pa, pb in zip(a, b, strict=True)
+        ]
+        _set_kv(state.cache, merged)
+        masks = [_left_pad(state.attention_mask, width, 1), _left_pad(joining.attention_mask, width, 1)]
+        state.attention_mask = torch.cat(masks)
+        state.seq_ids = state.seq_ids + joining.seq_ids
+        state.positions = torch.cat([state.positions, joining.positions])
+        state.tokens = torch.cat([state.tokens, joining.tokens])
+        state.logprobs = torch.cat([state.logprobs, joining.logprobs])
+        state.sampler = state.sampler.cat(joining.sampler)
 
     @torch.inference_mode()
     def load_weights_from_disk(self, model_path: str) -> None:
@@ -115,6 +140,29 @@ class ModelRunner:
 
     def parameter_specs(self) -> dict[str, torch.Tensor]:
         return dict(self.model.state_dict())
+
+
+def _kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if hasattr(cache, "layers"):  # transformers >= 4.56
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache, strict=True))
+
+
+def _set_kv(cache, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for i, (k, v) in enumerate(pairs):
+        if hasattr(cache, "layers"):
+            cache.layers[i].keys, cache.layers[i].values = k, v
+        else:
+            cache.key_cache[i], cache.value_cache[i] = k, v
+
+
+def _left_pad(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    missing = width - x.shape[dim]
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

@@ -90,6 +90,12 @@ class BatchSampler:
             top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params]),
         )
 
+    def cat(self, other: BatchSampler) -> BatchSampler:
+        return BatchSampler(*(torch.cat([a, b]) for a, b in zip(self.tensors(), other.tensors(), strict=True)))
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.temperature, self.top_p, self.top_k
+
     def select(self, keep: torch.Tensor) -> BatchSampler:
         return BatchSampler(self.temperature[keep], self.top_p[keep], self.top_k[keep])
 

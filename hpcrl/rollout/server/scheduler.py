@@ -1,13 +1,15 @@
-"""Dynamic batching for the CPU server.
+"""Continuous batching for the CPU server.
 
 Requests wait in a queue; the scheduler takes up to ``max_running`` of them (after waiting
 ``batch_wait_ms`` for more to arrive) and decodes them together, one shared forward pass per step,
-dropping rows as they finish. Between steps it honours pauses (``abort`` ends every running request
-with ``finish_reason.type == "abort"``; ``in_place`` holds them until continue) and per-request aborts.
+dropping rows as they finish and admitting waiting requests between steps (their prompts are
+prefilled, then their rows and KV cache join the running batch). Between steps it also honours pauses
+(``abort`` ends every running request with ``finish_reason.type == "abort"``; ``in_place`` holds them
+until continue) and per-request aborts.
 
 Weight updates never change weights under a running batch: they wait for it to finish, unless
 generation is paused in place, in which case they apply between two steps (as SGLang does). No batch
-starts while an update waits.
+starts, and no request joins one, while an update waits.
 """
 
 from __future__ import annotations
@@ -131,12 +133,7 @@ class Scheduler:
     async def _run_batch(self, batch: list[Sequence]) -> None:
         self._batch_active = True
         try:
-            ids = [next(self._ids) for _ in batch]
-            self.running.update(zip(ids, batch, strict=True))
-            sampler = BatchSampler.of([s.params for s in batch], self.runner.vocab_size)
-            prompts = [s.prompt_ids for s in batch]
-            state = await self._call(lambda: self.runner.prefill(ids, prompts, sampler))
-            self._collect(state)
+            state = await self._prefill(batch)
             while state.seq_ids:
                 if self.pause_mode == "abort":
                     self._end_all(state, {"type": "abort", "message": "generation paused"})
@@ -146,17 +143,36 @@ class Scheduler:
                     continue
                 self._drop_aborted(state)
                 if state.seq_ids:
+                    await self._admit(state)
                     await self._call(lambda: self.runner.decode(state))
                     self._collect(state)
         except Exception as e:
-            log.exception("batch of %d failed", len(batch))
-            for seq in batch:
+            log.exception("a batch of %d sequences failed", len(self.running))
+            for seq in self.running.values():
                 if not seq.done.done():
                     seq.done.set_exception(e)
         finally:
             self.running.clear()
             self._batch_active = False
             await self._notify()
+
+    async def _prefill(self, batch: list[Sequence]) -> BatchState:
+        ids = [next(self._ids) for _ in batch]
+        self.running.update(zip(ids, batch, strict=True))
+        sampler = BatchSampler.of([s.params for s in batch], self.runner.vocab_size)
+        prompts = [s.prompt_ids for s in batch]
+        state = await self._call(lambda: self.runner.prefill(ids, prompts, sampler))
+        self._collect(state)
+        return state
+
+    async def _admit(self, state: BatchState) -> None:
+        """Continuous batching: prefill waiting requests and add them to the running batch."""
+        room = self.max_running - len(state.seq_ids)
+        if not self.waiting or room <= 0 or self._updates_waiting:
+            return
+        joining = await self._prefill([self.waiting.popleft() for _ in range(min(room, len(self.waiting)))])
+        if joining.seq_ids:
+            await self._call(lambda: ModelRunner.merge(state, joining))
 
     def _collect(self, state: BatchState) -> None:
         """Append each row's new token; finish rows that stop; drop finished rows from the batch."""
