@@ -195,3 +195,20 @@ def test_health_model_info_and_flush(server, tiny_model):
         status, info = server.get(path)
         assert status == 200 and info["model_path"] == str(tiny_model) and info["is_generation"]
     assert server.post("/flush_cache")[0] == 200
+
+
+def test_requests_joining_a_running_batch_decode_exactly(server, tiny_model):
+    """Continuous batching: rows that join mid-batch (KV cache padded and merged) give the same tokens."""
+    model, tok = _reference(tiny_model)
+    long = {"text": "1+1=", "sampling_params": {"max_new_tokens": 480, "ignore_eos": True, "temperature": 0}}
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(r=server.post("/generate", long)))
+    runner.start()
+    time.sleep(0.3)
+    joiners = ["7+8=", "The quick brown fox", "42", "x"]
+    answers = server.generate_many([_greedy_body(tok, p, 20) for p in joiners])
+    assert runner.is_alive(), "the long request must still run, so the joiners were merged into its batch"
+    runner.join(120)
+    for prompt, answer in zip(joiners, answers, strict=True):
+        assert answer["output_ids"] == _greedy_ids(model, tok, prompt, 20), prompt
+    assert len(result["r"][1]["output_ids"]) == 480

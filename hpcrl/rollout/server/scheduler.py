@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -61,6 +62,8 @@ class Scheduler:
         self._batch_active = False
         self._updates_waiting = 0
         self._torch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        # set by the event loop when it has something for the decode loop to do between steps
+        self._interrupt = threading.Event()
 
     # ---------------------------------------------------------------- requests
     async def generate(self, sequences: list[Sequence]) -> None:
@@ -71,6 +74,7 @@ class Scheduler:
             else:
                 self.waiting.append(seq)
         self._work.set()
+        self._interrupt.set()
         await asyncio.gather(*(seq.done for seq in sequences))
 
     def abort(self, rid: str | None = None) -> int:
@@ -79,6 +83,7 @@ class Scheduler:
         for seq in [*self.waiting, *self.running.values()]:
             if rid is None or seq.rid == rid or seq.rid.startswith(f"{rid}-"):
                 seq.abort_requested, hit = True, hit + 1
+        self._interrupt.set()
         for seq in [s for s in self.waiting if s.abort_requested]:
             self.waiting.remove(seq)
             self._finish(seq, {"type": "abort", "message": "aborted by /abort_request"})
@@ -87,6 +92,7 @@ class Scheduler:
     async def pause(self, mode: str) -> None:
         self.pause_mode = mode
         self._resumed.clear()
+        self._interrupt.set()
         if mode == "abort":
             for seq in list(self.waiting):
                 self._finish(seq, {"type": "abort", "message": "generation paused"})
@@ -102,6 +108,7 @@ class Scheduler:
     async def update_weights(self, apply: Callable[[], None], version: str | None) -> None:
         """Run ``apply`` on the torch thread once no batch decodes on the old weights (see module doc)."""
         self._updates_waiting += 1
+        self._interrupt.set()
         try:
             async with self._changed:
                 await self._changed.wait_for(
@@ -144,8 +151,8 @@ class Scheduler:
                 self._drop_aborted(state)
                 if state.seq_ids:
                     await self._admit(state)
-                    await self._call(lambda: self.runner.decode(state))
-                    self._collect(state)
+                    self._interrupt.clear()
+                    self._retire(state, await self._call(lambda: self._decode_run(state)))
         except Exception as e:
             log.exception("a batch of %d sequences failed", len(self.running))
             for seq in self.running.values():
@@ -162,7 +169,7 @@ class Scheduler:
         sampler = BatchSampler.of([s.params for s in batch], self.runner.vocab_size)
         prompts = [s.prompt_ids for s in batch]
         state = await self._call(lambda: self.runner.prefill(ids, prompts, sampler))
-        self._collect(state)
+        self._retire(state, self._append(state))
         return state
 
     async def _admit(self, state: BatchState) -> None:
@@ -174,22 +181,42 @@ class Scheduler:
         if joining.seq_ids:
             await self._call(lambda: ModelRunner.merge(state, joining))
 
-    def _collect(self, state: BatchState) -> None:
-        """Append each row's new token; finish rows that stop; drop finished rows from the batch."""
-        keep = []
+    def _decode_run(self, state: BatchState, max_steps: int = 256) -> dict[int, dict[str, Any]]:
+        """On the torch thread: decode until a row finishes or the event loop has work; return finished rows.
+
+        Staying on the torch thread for many steps saves a thread hand-off per step, which costs as much
+        as a decode step of a tiny model.
+        """
+        for _ in range(max_steps):
+            self.runner.decode(state)
+            finished = self._append(state)
+            if finished or self._interrupt.is_set():
+                return finished
+        return {}
+
+    def _append(self, state: BatchState) -> dict[int, dict[str, Any]]:
+        """Append each row's new token to its sequence; return {row: finish reason} of rows that stop."""
+        finished = {}
         tokens, logprobs = state.tokens.tolist(), state.logprobs.tolist()
         for row, sid in enumerate(state.seq_ids):
             seq = self.running[sid]
             seq.output_ids.append(tokens[row])
             seq.logprobs.append(logprobs[row])
             reason = self._stop_reason(seq)
-            if reason is None:
-                keep.append(row)
-            else:
-                self._finish(self.running.pop(sid), reason)
-        if len(keep) < len(state.seq_ids) and keep:
+            if reason is not None:
+                finished[row] = reason
+        return finished
+
+    def _retire(self, state: BatchState, finished: dict[int, dict[str, Any]]) -> None:
+        """Finish the rows that stopped and drop them from the batch."""
+        if not finished:
+            return
+        for row, reason in finished.items():
+            self._finish(self.running.pop(state.seq_ids[row]), reason)
+        keep = [row for row in range(len(state.seq_ids)) if row not in finished]
+        if keep:
             ModelRunner.keep_rows(state, keep)
-        elif not keep:
+        else:
             state.seq_ids = []
 
     def _stop_reason(self, seq: Sequence) -> dict[str, Any] | None:
