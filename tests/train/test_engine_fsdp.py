@@ -1,0 +1,128 @@
+"""Real torchrun, 2 ranks on CPU (gloo) against 1: FSDP2 equivalence, uneven ranks, resume, HF export.
+
+``scripts/fsdp_engine.py`` does the training and writes state dicts and metrics; three launches (1 rank
+train, 2 ranks train, 2 ranks resume) are shared by every test here and take about a minute.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hpcrl.models.tiny import make_tiny_model
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = REPO / "tests" / "train" / "scripts" / "fsdp_engine.py"
+TIMEOUT_S = 240  # the script's collectives time out after 120 s, so a hang fails long before this
+TOLERANCE = 1e-5
+
+
+def _torchrun(nproc: int, *args: str) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # own session: on a timeout the ranks die with torchrun instead of lingering
+    proc = subprocess.Popen(
+        [*cmd, str(SCRIPT), *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"torchrun {args} on {nproc} rank(s) hung for {TIMEOUT_S} s:\n{output[-6000:]}")
+    assert proc.returncode == 0, f"torchrun {args} on {nproc} rank(s) failed:\n{output[-6000:]}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny"))
+    out = tmp_path_factory.mktemp("fsdp")
+    _torchrun(1, str(model), str(out), "train")
+    _torchrun(2, str(model), str(out), "train")
+    _torchrun(2, str(model), str(out), "resume")
+    return model, out
+
+
+def _metrics(out, name, rank=0):
+    return json.loads((out / f"{name}_rank{rank}.json").read_text())
+
+
+def _max_abs_diff(a, b):
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "varying", "uneven"])
+def test_two_ranks_train_like_one_process_on_the_whole_batch(runs, kind):
+    model, out = runs
+    single, sharded = load_file(out / f"{kind}_w1.safetensors"), load_file(out / f"{kind}_w2.safetensors")
+    diff = _max_abs_diff(single, sharded)
+    moved = _max_abs_diff(single, load_file(model / "model.safetensors") | {"lm_head.weight": single["lm_head.weight"]})
+    print(f"{kind}: max |w1 - w2| = {diff:.3g} after training moved weights by up to {moved:.3g}")
+    assert diff < TOLERANCE
+    assert moved > 10 * TOLERANCE, "training barely moved the weights, so equality would prove little"
+
+    one, two = _metrics(out, f"{kind}_w1"), _metrics(out, f"{kind}_w2")
+    for a, b in zip(one, two, strict=True):
+        # grad_norm would differ by the world size if FSDP's mean over ranks were left in place
+        for key in ("loss", "grad_norm", "lr", "tokens", "loss_tokens", "sequences"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+
+
+def test_ranks_agree_on_the_micro_batch_count(runs):
+    _, out = runs
+    for kind in ("uniform", "varying", "uneven"):
+        rank0, rank1 = _metrics(out, f"{kind}_w2", 0), _metrics(out, f"{kind}_w2", 1)
+        for a, b in zip(rank0, rank1, strict=True):
+            assert a["microbatches"] == b["microbatches"] >= max(a["local_packed"], b["local_packed"])
+            assert a["loss"] == b["loss"], "train_step reports global metrics, the same on every rank"
+    # the varying batches make one rank split micro-batches in some step ...
+    varying = zip(_metrics(out, "varying_w2", 0), _metrics(out, "varying_w2", 1), strict=True)
+    assert any(a["local_packed"] != b["local_packed"] for a, b in varying)
+    # ... and in the uneven one rank 1 (one short sequence) runs 11 empty micro-batches beside rank 0's 12
+    (uneven0,), (uneven1,) = _metrics(out, "uneven_w2", 0), _metrics(out, "uneven_w2", 1)
+    assert (uneven0["local_packed"], uneven1["local_packed"], uneven1["microbatches"]) == (12, 1, 12)
+
+
+def test_resume_from_the_sharded_checkpoint_is_bit_identical(runs):
+    _, out = runs
+    before, after = _metrics(out, "step6_before"), _metrics(out, "step6_after")
+    assert after == before  # loss, grad_norm, lr, step: exactly
+    assert before[0]["step"] == 6
+    a, b = load_file(out / "step6_before.safetensors"), load_file(out / "step6_after.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_export_hf_loads_with_from_pretrained_and_holds_the_trained_weights(runs):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, out = runs
+    exported = AutoModelForCausalLM.from_pretrained(out / "export")
+    trained = load_file(out / "varying_w2.safetensors")
+    state = exported.state_dict()
+    assert all(torch.equal(state[k], trained[k]) for k in trained)
+    assert (
+        AutoTokenizer.from_pretrained(out / "export")("a+b=")["input_ids"]
+        == AutoTokenizer.from_pretrained(model)("a+b=")["input_ids"]
+    )
+
+
+def test_sharded_token_logprobs_match_the_plain_model(runs):
+    _, out = runs
+    for rank in (0, 1):
+        check = json.loads((out / f"logprobs_check_rank{rank}.json").read_text())
+        print(f"rank {rank}: max |sharded - plain| logprob = {check['max_abs_diff']:.3g}")
+        assert check["max_abs_diff"] < TOLERANCE
