@@ -18,9 +18,11 @@ from hpcrl.config.schema import (
     ClusterConfig,
     Config,
     DatasetConfig,
+    EvalConfig,
     InferenceConfig,
     ModelConfig,
     NetConfig,
+    RewardConfig,
     RoleAllocation,
     RolloutConfig,
     RunConfig,
@@ -44,6 +46,9 @@ def validate(cfg: Config) -> Config:
     check_train(cfg.train)
     check_rollout(cfg.rollout)
     check_inference(cfg.inference)
+    check_reward(cfg.reward)
+    check_eval(cfg.eval)
+    require(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", cfg.checkpoint.every_steps, "an integer >= 0")
     warn_ignored(cfg)
     return replace(cfg, allocation=allocation)
 
@@ -196,6 +201,20 @@ def check_inference(i: InferenceConfig) -> None:
     require(n >= 1, "inference.max_running_requests", n, "an integer >= 1")
     require(i.batch_wait_ms >= 0, "inference.batch_wait_ms", i.batch_wait_ms, "milliseconds >= 0")
     require(i.health_poll_s > 0, "inference.health_poll_s", i.health_poll_s, "seconds > 0")
+
+
+def check_reward(r: RewardConfig) -> None:
+    module, sep, name = r.fn.partition(":")
+    ok = bool(sep) and all(part.isidentifier() for part in [*module.split("."), name])
+    require(ok, "reward.fn", r.fn, "'package.module:function', importable in every process")
+    require(r.timeout_s > 0, "reward.timeout_s", r.timeout_s, "seconds > 0")
+    one_of("reward.on_error", r.on_error, ("drop", "zero", "fail"))
+    require(r.workers >= 1, "reward.workers", r.workers, "an integer >= 1")
+
+
+def check_eval(e: EvalConfig) -> None:
+    require(e.every_steps >= 0, "eval.every_steps", e.every_steps, "an integer >= 0 (0 = before and after only)")
+    require(0 <= e.stop_at_accuracy <= 1, "eval.stop_at_accuracy", e.stop_at_accuracy, "a fraction in [0, 1]")
 
 
 def warn_ignored(cfg: Config) -> None:

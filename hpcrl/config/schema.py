@@ -168,6 +168,25 @@ class RolloutConfig:
 
 
 @dataclass
+class RewardConfig:
+    fn: str = "hpcrl.reward.builtin:mod10"  # "module:function" imported in each reward process (never pickled)
+    timeout_s: float = 10.0  # seconds one reward call may take before it counts as failed
+    on_error: str = "drop"  # a reward that raises or times out: drop its group | zero (score 0) | fail the run
+    workers: int = 2  # reward processes
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 5  # held-out greedy evaluation every this many steps; 0 = only before and after
+    stop_at_accuracy: float = 0.9  # stop the run once held-out accuracy reaches this; 0 = never stop early
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0  # a resumable checkpoint every this many steps; 0 = none
+
+
+@dataclass
 class InferenceConfig:
     mem_fraction_static: float = 0.85  # sglang: share of GPU memory for weights and KV cache
     max_running_requests: int = 256  # the most sequences one server decodes together (one batch)
@@ -187,3 +206,6 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)  # optimizer and micro-batching
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # sampling and async bounds
     inference: InferenceConfig = field(default_factory=InferenceConfig)  # inference server settings
+    reward: RewardConfig = field(default_factory=RewardConfig)  # how completions are scored
+    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation and early stop
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # resumable checkpoints
