@@ -13,10 +13,11 @@ import sys
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from hpcrl.config import ConfigError, format_spec
 from hpcrl.config.hydra import exit_on_config_error, register_schema, to_config_or_exit
+from hpcrl.config.load import dump_config
 from hpcrl.config.overrides import check_override_keys, expand_allocation_shorthand
 from hpcrl.logs import setup_logging
 from hpcrl.rundir import RunDir
@@ -30,7 +31,7 @@ def run(dcfg: DictConfig) -> None:
     cfg = to_config_or_exit(dcfg)
     run_dir = RunDir.create(cfg.run.root, cfg.run.experiment, cfg.run.trial)
     setup_logging("controller", 0, cfg.run.log_level, run_dir.log_file("controller", 0))
-    resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    resolved = dump_config(cfg)
     run_dir.write_config(resolved)
     print(resolved, end="")
     log.info(

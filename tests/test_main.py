@@ -59,3 +59,11 @@ def test_multirun_with_the_basic_launcher_runs_the_job(main_cli, tmp_path):
     result = main_cli("-m", "run.trial=swept")
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "default" / "swept" / "config.yaml").is_file()
+
+
+def test_the_run_directory_config_loads_back_without_hydra(main_cli, tmp_path):
+    from hpcrl.config.load import load_run_config
+
+    assert main_cli("run.trial=reload", "algorithm=dapo").returncode == 0
+    cfg = load_run_config(tmp_path / "default" / "reload" / "config.yaml")
+    assert cfg.algorithm.name == "dapo" and cfg.allocation.trainer.workers == 2 and cfg.run.trial == "reload"
