@@ -21,12 +21,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tokenizer():
-    """A character-level tokenizer: ids 0..2 are special, then one id per character."""
+def make_tokenizer(characters: str = CHARACTERS):
+    """A character-level tokenizer: ids 0..2 are special, then one id per character of ``characters``."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *CHARACTERS))}
+    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *dict.fromkeys(characters)))}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     core.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
@@ -42,12 +42,17 @@ def make_tiny_model(
     intermediate_size: int = 256,
     max_positions: int = 512,
     seed: int = 0,
+    characters: str = CHARACTERS,
 ) -> Path:
-    """Write a seeded tiny Qwen2 model and its tokenizer to ``out_dir``; return the directory."""
+    """Write a seeded tiny Qwen2 model and its tokenizer to ``out_dir``; return the directory.
+
+    ``characters`` is the tokenizer's alphabet: a task's own characters make a small vocabulary, so an
+    untrained model already guesses a task's one-character answers at a useful rate.
+    """
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    tokenizer = make_tokenizer()
+    tokenizer = make_tokenizer(characters)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -81,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--intermediate-size", type=int, default=256)
     parser.add_argument("--max-positions", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--characters", default=CHARACTERS, help="the tokenizer's alphabet (default: printable)")
     args = parser.parse_args(argv)
     out = make_tiny_model(
         args.out_dir,
@@ -90,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         intermediate_size=args.intermediate_size,
         max_positions=args.max_positions,
         seed=args.seed,
+        characters=args.characters,
     )
     print(out)
 

@@ -1,0 +1,100 @@
+"""Asynchronous rollout with a staleness bound.
+
+Episodes (one prompt's group) run concurrently, up to ``max_concurrent`` at once. An episode may start
+only while it can be trained on within ``max_staleness`` weight versions of the one it starts under:
+with a batch of ``batch_size`` groups per train step, at most ``(version + max_staleness + 1) *
+batch_size`` groups may have been accepted or be in flight. ``max_staleness=0`` is synchronous
+rollout: the next batch starts only after the weights it will be trained against are on the servers.
+
+The capacity is recomputed whenever an episode completes or the version changes, not once per round.
+Groups the filter rejects (all-equal rewards under DAPO, failed rewards under ``drop``) free their
+capacity, so the executor starts replacements.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+Episode = Callable[[Any], Awaitable[Any]]
+
+
+class RolloutExecutor:
+    def __init__(
+        self,
+        episode: Episode,
+        rows: Iterator[Any],  # endless: the controller cycles through its data
+        batch_size: int,
+        max_concurrent: int,
+        max_staleness: int,
+        accept: Callable[[Any], bool] = lambda _: True,
+    ):
+        self.episode, self.rows, self.accept = episode, rows, accept
+        self.batch_size, self.max_concurrent, self.max_staleness = batch_size, max_concurrent, max_staleness
+        self.version = 0  # weight version the servers hold
+        self.accepted_total = 0  # groups accepted since the start (including those already trained on)
+        self.rejected_total = 0
+        self.ready: list[Any] = []
+        self.running: set[asyncio.Task] = set()
+        self._wake_pump = asyncio.Event()  # an episode ended or the version changed
+        self._wake_batch = asyncio.Event()  # an episode ended (or failed)
+        self._pump_task: asyncio.Task | None = None
+        self._error: BaseException | None = None
+
+    def capacity(self) -> int:
+        by_staleness = (self.version + self.max_staleness + 1) * self.batch_size
+        return min(self.max_concurrent - len(self.running), by_staleness - self.accepted_total - len(self.running))
+
+    def start(self) -> None:
+        self._pump_task = asyncio.create_task(self._pump(), name="rollout-pump")
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+        self._wake_pump.set()
+
+    async def next_batch(self) -> list[Any]:
+        """The oldest ``batch_size`` accepted groups, once there are that many."""
+        while len(self.ready) < self.batch_size:
+            if self._error is not None:
+                raise self._error
+            self._wake_batch.clear()
+            await self._wake_batch.wait()
+        batch, self.ready = self.ready[: self.batch_size], self.ready[self.batch_size :]
+        return batch
+
+    async def close(self) -> None:
+        tasks = [t for t in (self._pump_task, *self.running) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _pump(self) -> None:
+        try:
+            while True:
+                for _ in range(max(0, self.capacity())):
+                    task = asyncio.create_task(self.episode(next(self.rows)))
+                    self.running.add(task)
+                    task.add_done_callback(self._done)
+                self._wake_pump.clear()
+                await self._wake_pump.wait()
+        except Exception as e:  # e.g. the rows ran out: next_batch must not wait forever
+            self._error = e
+            self._wake_batch.set()
+
+    def _done(self, task: asyncio.Task) -> None:
+        self.running.discard(task)
+        if task.cancelled():
+            return
+        if task.exception() is not None:
+            self._error = self._error or task.exception()  # the first failure is the one to report
+        elif self.accept(task.result()):
+            self.ready.append(task.result())
+            self.accepted_total += 1
+        else:
+            self.rejected_total += 1
+        self._wake_pump.set()
+        self._wake_batch.set()
