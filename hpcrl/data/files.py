@@ -1,0 +1,251 @@
+"""Prompts and reference answers from local jsonl, json or parquet files, loaded with ``datasets``.
+
+    rows = load_rows(["data/train.jsonl"], prompt_column="question", answer_column="answer",
+                     prompt_template="Question: {prompt}\\nAnswer:")   # Dataset of {"prompt", "answer"}
+
+Every file is loaded on its own with ``datasets.load_dataset("json" | "parquet", data_files=...)``,
+by extension (``.jsonl``/``.json`` or ``.parquet``; one kind per list), from the local disk only: a
+path that is not an existing file is an error, never a dataset name looked up on a hub. Each row
+becomes ``{"prompt": prompt_template.format(**row, prompt=<prompt column>), "answer": <answer column>}``,
+so the template may use any column of the row; ``{prompt}`` is always the prompt column.
+
+Checked, with an error naming the file, the 0-based row (and for ``.jsonl`` the 1-based line) and the
+column: a column that is missing or null, a prompt that is not a string, an answer that is not a
+string or a number (numbers become strings: ``3`` -> ``"3"``, ``3.0`` -> ``"3"``, ``2.5`` ->
+``"2.5"``), invalid JSON, a template naming an unknown column or failing on a row, an empty file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import string
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import datasets
+from datasets import Dataset
+
+from hpcrl.data.mod10 import FEATURES
+
+log = logging.getLogger(__name__)
+
+KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # extension -> datasets builder
+
+
+class DataError(ValueError):
+    """Bad dataset input; the message names the file, the row and the column."""
+
+
+def load_rows(
+    files: Sequence[str],
+    prompt_column: str = "prompt",
+    answer_column: str = "answer",
+    prompt_template: str = "{prompt}",
+    cache_dir: str | None = None,  # where datasets keeps its Arrow cache; None = its default (HF_DATASETS_CACHE)
+) -> Dataset:
+    """The rows of ``files``, in order, as ``{"prompt", "answer"}`` strings; ``DataError`` for bad input."""
+    kind = _check_files(files)
+    fields = template_fields(prompt_template)
+    prompts: list[str] = []
+    answers: list[str] = []
+    for file in files:
+        rows = _Rows(file, kind, cache_dir)
+        wanted = {prompt_column: "dataset.prompt_column", answer_column: "dataset.answer_column"}
+        for col, source in {**dict.fromkeys(sorted(fields - {"prompt"}), "dataset.prompt_template"), **wanted}.items():
+            if col not in rows.columns:
+                raise DataError(
+                    f"{file}: row 0: no column {col!r} (named by {source}); the file's columns are: "
+                    f"{', '.join(rows.columns)}"
+                )
+        for i, row in enumerate(rows.values([prompt_column, answer_column, *sorted(fields - {"prompt"})])):
+            try:
+                prompt = _prompt(prompt_column, row[prompt_column])
+                answers.append(_answer(answer_column, row[answer_column]))
+                prompts.append(_apply(prompt_template, {**row, "prompt": prompt}))
+            except _BadRow as e:
+                raise DataError(f"{rows.where(i)}: {e}") from e.__cause__
+    return Dataset.from_dict({"prompt": prompts, "answer": answers}, features=FEATURES)
+
+
+def template_fields(template: str) -> set[str]:
+    """The names ``template`` uses (``{name}``, ``{name.attr}``, ``{name[0]}`` all give ``name``)."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise DataError(f"dataset.prompt_template={template!r} is not a valid format string: {e}") from e
+    names = set()
+    for _, name, _, _ in parsed:
+        if name is None:
+            continue
+        root = name.split(".", 1)[0].split("[", 1)[0]
+        if not root.isidentifier():
+            raise DataError(
+                f"dataset.prompt_template={template!r} has a field {{{name}}}; use named fields such as "
+                "{prompt} or {column_name}"
+            )
+        names.add(root)
+    return names
+
+
+def _check_files(files: Sequence[str]) -> str:
+    if isinstance(files, str) or not files:
+        raise DataError(f"dataset files: expected a non-empty list of local file paths, got {files!r}")
+    kinds = {}
+    for file in files:
+        path = Path(file).expanduser()
+        kind = KINDS.get(path.suffix.lower())
+        if kind is None:
+            raise DataError(f"{file}: unknown extension {path.suffix!r}; expected one of {', '.join(KINDS)}")
+        if not path.is_file():
+            why = "is not a file" if path.exists() else "does not exist"
+            raise DataError(f"{file}: {why} (resolved to {path.resolve()}); dataset files must be local files")
+        kinds[file] = kind
+    if len(set(kinds.values())) > 1:
+        listing = ", ".join(f"{f} ({k})" for f, k in kinds.items())
+        raise DataError(f"dataset files mix json and parquet: {listing}; use files of one kind in one list")
+    return next(iter(kinds.values()))
+
+
+class _Rows:
+    """One loaded file: its columns, its rows' values, and where row i is, for messages."""
+
+    def __init__(self, file: str, kind: str, cache_dir: str | None):
+        self.file, self.kind = file, kind
+        self.path = Path(file).expanduser().resolve()
+        self._lines: list[int] | None = None
+        self._records: list[dict[str, Any]] | None = None  # set when the json module read the file
+        if self.path.stat().st_size == 0:
+            raise DataError(f"{file}: the file is empty")
+        try:
+            with _quiet():
+                self.ds = datasets.load_dataset(kind, data_files=str(self.path), split="train", cache_dir=cache_dir)
+            self.columns = list(self.ds.column_names)
+        except Exception as e:
+            if kind != "json":
+                raise DataError(f"{file}: datasets cannot load it as {kind}: {_cause(e)}") from e
+            # Invalid JSON fails here, naming the row. Valid JSON that datasets cannot load (a blank
+            # line next to values whose type varies, say) is read with the json module instead.
+            self._records = read_json_rows(file)
+            log.warning("%s: datasets cannot load it (%s); read it with the json module instead", file, _cause(e))
+            self.columns = list(dict.fromkeys(key for record in self._records for key in record))
+        if len(self) == 0:
+            raise DataError(f"{file}: the file has no rows")
+
+    def __len__(self) -> int:
+        return len(self._records) if self._records is not None else len(self.ds)
+
+    def values(self, columns: list[str]) -> Iterator[dict[str, Any]]:
+        """Each row's values of ``columns``, as Python objects."""
+        columns = list(dict.fromkeys(columns))
+        if self._records is not None:
+            yield from ({c: record.get(c) for c in columns} for record in self._records)
+            return
+        table = self.ds.select_columns(columns).to_dict()
+        # datasets stores a JSON column whose type varies from row to row as JSON text and reads strings
+        # that look like JSON back as what they spell ("01" -> 1, "[1, 2]" -> a list): such columns are
+        # read again from the file with the json module, which keeps every value as written.
+        mixed = [c for c in table if isinstance(self.ds.features[c], datasets.Json)]
+        if mixed and self.kind == "json":
+            exact = read_json_rows(self.file)
+            for c in mixed:
+                table[c] = [record.get(c) for record in exact]
+        for values in zip(*table.values(), strict=True):
+            yield dict(zip(columns, values, strict=True))
+
+    def where(self, i: int) -> str:
+        if self.path.suffix.lower() != ".jsonl":
+            return f"{self.file}: row {i}"
+        if self._lines is None:
+            self._lines = _record_lines(self.path)
+        line = f" (line {self._lines[i]})" if i < len(self._lines) else ""
+        return f"{self.file}: row {i}{line}"
+
+
+def read_json_rows(file: str) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file (blank lines skipped) or of a JSON array, read with ``json``."""
+    path = Path(file).expanduser()
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        try:
+            records = json.loads(text)
+        except ValueError as e:
+            raise DataError(f"{file}: not valid JSON: {e}") from e
+        where = [f"{file}: row {i}" for i in range(len(records))]
+    else:
+        records, where = [], []
+        for n, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            at = f"{file}: row {len(records)} (line {n})"
+            try:
+                records.append(json.loads(line))
+            except ValueError as e:
+                raise DataError(f"{at}: not valid JSON: {e}") from e
+            where.append(at)
+    for at, record in zip(where, records, strict=True):
+        if not isinstance(record, dict):
+            raise DataError(f"{at}: expected a JSON object (one row), got {type(record).__name__}")
+    return records
+
+
+def _record_lines(path: Path) -> list[int]:
+    """The 1-based line number of each record of a JSON-lines file (blank lines hold none)."""
+    with open(path, encoding="utf-8") as f:
+        return [n for n, line in enumerate(f, start=1) if line.strip()]
+
+
+class _BadRow(Exception):
+    """What is wrong with one row; ``load_rows`` adds where the row is."""
+
+
+def _prompt(column: str, value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    raise _BadRow(f"column {column!r} is {_describe(value)}; expected a string prompt")
+
+
+def _answer(column: str, value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float) and math.isfinite(value):
+        return str(int(value)) if value.is_integer() else repr(value)
+    raise _BadRow(f"column {column!r} is {_describe(value)}; expected a string or a number")
+
+
+def _apply(template: str, row: dict[str, Any]) -> str:
+    try:
+        return template.format(**row)
+    except (KeyError, IndexError, AttributeError, TypeError, ValueError) as e:
+        why = f"{type(e).__name__}: {e}"
+        raise _BadRow(f"dataset.prompt_template={template!r} fails on this row: {why}") from e
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "missing or null"
+    text = repr(value)
+    return f"a {type(value).__name__} ({text if len(text) <= 60 else text[:57] + '...'})"
+
+
+def _cause(e: BaseException) -> str:
+    while e.__cause__ is not None or (e.__context__ is not None and not str(e)):
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    return f"{type(e).__name__}: {e}"
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """No progress bars while loading (they would fill the controller's log)."""
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()

@@ -1,0 +1,382 @@
+"""A pool of reward processes that scores completions with a timeout per call.
+
+    with RewardPool("hpcrl.reward.builtin:mod10", workers=2, timeout_s=10.0) as pool:
+        outcomes = await pool.score([(prompt, completion, answer), ...])   # one RewardOutcome per item
+
+Each worker is a subprocess, ``python -m hpcrl.reward.worker SPEC`` (see ``worker.py`` for its wire),
+that imports the reward function itself: only the spec string, and then plain strings and floats,
+cross the process boundary, so a lambda or a ``__main__`` function cannot be shipped. The spec is also
+resolved here, before any worker starts, so a bad spec fails at once with the import error. Workers see
+this process's ``sys.path`` (through PYTHONPATH) and run in their own session, so a Ctrl-C at the
+terminal reaches only this process, which ends them.
+
+``score`` splits the items into batches (a few per worker, at most ``max_batch`` items each) on one
+queue. Every worker has a driver thread here that takes a batch, writes it in one line and reads one
+reply per item; the event loop only awaits futures, so it is never blocked.
+
+Timeouts: a call is timed from the moment the worker could start it (the batch was sent, or the
+previous item's reply arrived). When ``timeout_s`` passes without a reply, that item fails as "timed
+out after T s", the worker's process tree is ended by PID (SIGTERM, then SIGKILL after a short grace,
+through ``hpcrl.launch.process``) and a fresh worker, started by the same driver, takes the batch's
+remaining items. A worker that dies mid-call (``os._exit``, a segfault, the OOM killer) fails only the
+item it was scoring and is replaced the same way; one found dead between batches fails no item. Other
+workers carry on meanwhile.
+
+``close`` (or leaving the ``with`` block) fails batches not yet scored, ends every worker by PID and
+joins the driver threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import queue
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpcrl.launch.process import Child, stop_all
+from hpcrl.reward.outcome import RewardOutcome
+from hpcrl.reward.registry import resolve
+
+__all__ = ["RewardOutcome", "RewardPool", "WorkerStartError"]
+
+log = logging.getLogger(__name__)
+
+Item = tuple[str, str, str]  # (prompt, completion, answer)
+
+_KILL_GRACE_S = 2.0  # a timed-out worker's grace between SIGTERM and SIGKILL
+_CLOSE_JOIN_S = 10.0  # how long close() waits for each driver thread after the workers are ended
+_CLOSED = "the reward pool was closed before this item was scored"
+
+
+class WorkerStartError(RuntimeError):
+    """A reward worker did not come up (it failed to resolve the spec, died, or missed its deadline)."""
+
+
+@dataclass
+class _Batch:
+    items: list[Item]
+    future: Future = field(default_factory=Future)  # list[RewardOutcome], one per item
+
+
+class RewardPool:
+    """Reward processes for one reward function; ``with`` starts them and ends them by PID."""
+
+    def __init__(
+        self,
+        spec: str,  # "package.module:function", imported in each worker
+        workers: int = 2,  # reward processes
+        timeout_s: float = 10.0,  # seconds one call may take before it fails and its worker is replaced
+        start_timeout_s: float = 60.0,  # seconds a worker gets to import the reward and report ready
+        max_batch: int = 64,  # the most items sent to a worker in one message
+    ) -> None:
+        if not (isinstance(workers, int) and workers >= 1):
+            raise ValueError(f"RewardPool: workers must be an integer >= 1, got {workers!r}")
+        for name, value in (("timeout_s", timeout_s), ("start_timeout_s", start_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"RewardPool: {name} must be seconds > 0, got {value!r}")
+        if not (isinstance(max_batch, int) and max_batch >= 1):
+            raise ValueError(f"RewardPool: max_batch must be an integer >= 1, got {max_batch!r}")
+        resolve(spec)  # a bad spec fails here, with the import error, before any process starts
+        self.spec = spec
+        self.workers = workers
+        self.timeout_s = timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.max_batch = max_batch
+        self.restarts = 0  # workers replaced after a timeout or a death
+        self._queue: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # orders worker starts against close()
+        self._closed = False
+        self._started = False
+        self._procs = [_Worker(spec, i) for i in range(workers)]
+        self._drivers: list[threading.Thread] = []
+
+    # ---- lifecycle
+
+    def start(self) -> RewardPool:
+        """Start every worker and wait until all are ready; ``WorkerStartError`` if one is not."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("RewardPool: start() after close(); make a new pool")
+            if self._started:
+                return self
+            self._started = True
+            for proc in self._procs:
+                proc.spawn()
+        try:
+            deadline = time.monotonic() + self.start_timeout_s
+            for proc in self._procs:  # they start side by side; this only collects their handshakes
+                proc.handshake(deadline)
+        except BaseException:
+            self.close()
+            raise
+        for proc in self._procs:
+            thread = threading.Thread(target=self._drive, args=(proc,), name=f"reward-driver-{proc.index}", daemon=True)
+            thread.start()
+            self._drivers.append(thread)
+        log.info("reward pool of %d workers for %s ready (pids %s)", self.workers, self.spec, self.pids())
+        return self
+
+    def close(self) -> None:
+        """Fail what is not yet scored, end every worker by PID and join the driver threads. Idempotent."""
+        with self._lock:
+            self._closed = True
+        while True:
+            try:
+                batch = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if batch is not None:
+                _finish(batch, [RewardOutcome(error=_CLOSED)] * len(batch.items))
+        for _ in self._drivers:
+            self._queue.put(None)
+        # Ending the processes is enough to free the drivers: one blocked on a reply sees its pipe end.
+        # Their pipes are theirs to close, so they are only dropped once the drivers are joined.
+        self._stop_workers(forget=False)
+        for thread in self._drivers:
+            thread.join(_CLOSE_JOIN_S)
+            if thread.is_alive():
+                log.error("reward driver %s did not finish %g s after its worker ended", thread.name, _CLOSE_JOIN_S)
+        self._drivers.clear()
+        self._stop_workers(forget=True)  # again: a driver may have been starting a replacement
+
+    def pids(self) -> list[int]:
+        """The PIDs of the worker processes now running (they change when a worker is replaced)."""
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    def __enter__(self) -> RewardPool:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- scoring
+
+    async def score(self, items: Sequence[Item]) -> list[RewardOutcome]:
+        """Score ``(prompt, completion, answer)`` items; one outcome per item, in order. Never blocks the loop."""
+        batches = self._submit(items)
+        results = await asyncio.gather(*(asyncio.wrap_future(b.future) for b in batches))
+        return [outcome for result in results for outcome in result]
+
+    def score_sync(self, items: Sequence[Item]) -> list[RewardOutcome]:
+        """``score`` for code without an event loop: blocks this thread until every item is scored."""
+        return [outcome for b in self._submit(items) for outcome in b.future.result()]
+
+    def _submit(self, items: Sequence[Item]) -> list[_Batch]:
+        if not self._started or self._closed:
+            raise RuntimeError("RewardPool: score() needs a started, open pool; use `with RewardPool(...) as pool:`")
+        checked = [_check_item(i, item) for i, item in enumerate(items)]
+        size = max(1, min(self.max_batch, math.ceil(len(checked) / (self.workers * 4))))
+        batches = [_Batch(checked[i : i + size]) for i in range(0, len(checked), size)]
+        with self._lock:  # close() sets _closed under the lock, then fails what is queued
+            if self._closed:
+                raise RuntimeError("RewardPool: score() after close()")
+            for batch in batches:
+                self._queue.put(batch)
+        return batches
+
+    # ---- the driver thread of one worker
+
+    def _drive(self, proc: _Worker) -> None:
+        while (batch := self._queue.get()) is not None:
+            try:
+                _finish(batch, self._run(proc, batch.items))
+            except BaseException as e:  # a bug here must not leave a caller waiting forever
+                log.exception("reward driver %d failed", proc.index)
+                if not batch.future.done():
+                    batch.future.set_exception(e)
+
+    def _run(self, proc: _Worker, items: list[Item]) -> list[RewardOutcome]:
+        outcomes: list[RewardOutcome] = []
+        while len(outcomes) < len(items) and not self._closed:
+            if not proc.running:
+                try:
+                    self._restart(proc)
+                except WorkerStartError as e:
+                    error = _CLOSED if self._closed else f"no reward worker: {e}"
+                    return outcomes + [RewardOutcome(error=error)] * (len(items) - len(outcomes))
+            scored = proc.run(items[len(outcomes) :], self.timeout_s)
+            if self._closed and not proc.running:
+                scored = scored[:-1]  # its worker was ended by close(), not by the reward
+            outcomes += scored
+        return outcomes + [RewardOutcome(error=_CLOSED)] * (len(items) - len(outcomes))
+
+    def _restart(self, proc: _Worker) -> None:
+        with self._lock:
+            if self._closed:
+                raise WorkerStartError("the reward pool is closed")
+            proc.spawn()
+            self.restarts += 1
+        proc.handshake(time.monotonic() + self.start_timeout_s)
+
+    def _stop_workers(self, forget: bool) -> None:
+        with self._lock:
+            children = [p.child for p in self._procs if p.child is not None]
+        stop_all(children, _KILL_GRACE_S)
+        if forget:
+            for proc in self._procs:
+                proc.forget()
+
+
+class _Worker:
+    """The parent's end of one worker process: its pipes and its ``Child`` handle."""
+
+    def __init__(self, spec: str, index: int):
+        self.spec = spec
+        self.index = index
+        self.child: Child | None = None
+        self.running = False  # spawned, handshake done, and neither dead nor killed since
+        self._popen: subprocess.Popen | None = None
+        self._poll = select.poll()
+        self._buf = bytearray()
+
+    @property
+    def pid(self) -> int | None:
+        return self.child.pid if self.child is not None and self.child.alive() else None
+
+    def spawn(self) -> None:
+        self.forget()
+        cmd = [sys.executable, "-m", "hpcrl.reward.worker", self.spec, str(self.index)]
+        # Workers import what this process can import: the same sys.path, "" meaning our cwd.
+        path = os.pathsep.join(p or os.getcwd() for p in sys.path)
+        popen = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={**os.environ, "PYTHONPATH": path},
+            start_new_session=True,
+            bufsize=0,
+        )
+        # stderr is this process's own (a worker's log lines carry [reward:INDEX]), so no log file
+        self.child = Child(f"reward worker {self.index}", popen, Path(os.devnull))
+        self._popen = popen
+        self._buf.clear()
+        self._poll = select.poll()
+        assert popen.stdout is not None
+        self._poll.register(popen.stdout.fileno(), select.POLLIN)
+
+    def handshake(self, deadline: float) -> None:
+        try:
+            message = self._read(deadline)
+        except _Gone as e:
+            self.stop()
+            raise WorkerStartError(f"reward worker {self.index} for {self.spec!r} {e} before it was ready") from None
+        if message is None:
+            self.stop()
+            raise WorkerStartError(f"reward worker {self.index} for {self.spec!r} was not ready in time")
+        if "fatal" in message:
+            self.stop()
+            raise WorkerStartError(f"reward worker {self.index}: {message['fatal']}")
+        self.running = True
+
+    def run(self, items: list[Item], timeout_s: float) -> list[RewardOutcome]:
+        """Score ``items`` in order; stop early (``running`` turns False) at a timeout or a death."""
+        assert self._popen is not None and self._popen.stdin is not None
+        if self._popen.poll() is not None:  # it ended while idle: no item of this batch is to blame
+            log.warning("reward worker %d %s while idle; starting another", self.index, self._exit_text())
+            self.stop()
+            return []
+        outcomes: list[RewardOutcome] = []
+        with contextlib.suppress(BrokenPipeError):  # it died while idle; the reader below tells how
+            self._popen.stdin.write(json.dumps(items).encode() + b"\n")
+        while len(outcomes) < len(items):
+            try:
+                message = self._read(time.monotonic() + timeout_s)
+            except _Gone as e:
+                log.warning("reward worker %d %s while scoring; starting another", self.index, e)
+                self.stop()
+                return [*outcomes, RewardOutcome(error=f"reward worker {e} while scoring this item")]
+            if message is None:
+                log.warning("a reward call ran past %g s: ending worker %d (pid %s)", timeout_s, self.index, self.pid)
+                error = f"timed out after {timeout_s:g} s (reward worker pid {self.pid} killed and replaced)"
+                self.stop()
+                return [*outcomes, RewardOutcome(error=error, timed_out=True)]
+            if "v" in message:
+                outcomes.append(RewardOutcome(value=float(message["v"])))
+            else:
+                outcomes.append(RewardOutcome(error=str(message.get("e", message))))
+        return outcomes
+
+    def stop(self) -> None:
+        if self.child is not None:
+            stop_all([self.child], _KILL_GRACE_S)
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop the handle of a worker that has ended (closing our ends of its pipes)."""
+        self.running = False
+        if self._popen is not None:
+            for pipe in (self._popen.stdin, self._popen.stdout):
+                if pipe is not None:
+                    pipe.close()
+            if self._popen.poll() is None:  # still running: keep the handle so close() can end it
+                return
+        self._popen = None
+        self.child = None
+
+    def _read(self, deadline: float) -> dict[str, Any] | None:
+        """The next message; None if ``deadline`` passes first; ``_Gone`` at the end of the pipe."""
+        assert self._popen is not None and self._popen.stdout is not None
+        fd = self._popen.stdout.fileno()
+        while (end := self._buf.find(b"\n")) < 0:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._poll.poll(max(1, math.ceil(left * 1000))):
+                if time.monotonic() >= deadline:
+                    return None
+                continue
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                raise _Gone(self._exit_text())
+            self._buf += chunk
+        line = bytes(self._buf[:end])
+        del self._buf[: end + 1]
+        try:
+            message = json.loads(line)
+        except ValueError:
+            message = None
+        if not isinstance(message, dict):
+            raise _Gone(f"(pid {self._popen.pid}) broke the wire protocol with {line[:200]!r}")
+        return message
+
+    def _exit_text(self) -> str:
+        assert self._popen is not None
+        pid = self._popen.pid
+        try:
+            code = self._popen.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            return f"(pid {pid}) closed its output"
+        if code >= 0:
+            return f"(pid {pid}) exited with code {code}"
+        try:
+            return f"(pid {pid}) was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"(pid {pid}) was killed by signal {-code}"
+
+
+class _Gone(Exception):
+    """The worker's output ended: it exited or was killed."""
+
+
+def _check_item(index: int, item: Any) -> Item:
+    if not (isinstance(item, (tuple, list)) and len(item) == 3 and all(isinstance(s, str) for s in item)):
+        got = type(item).__name__ if not isinstance(item, (tuple, list)) else [type(s).__name__ for s in item]
+        raise TypeError(f"RewardPool.score: items[{index}] must be (prompt, completion, answer) strings, got {got}")
+    return (item[0], item[1], item[2])
+
+
+def _finish(batch: _Batch, outcomes: list[RewardOutcome]) -> None:
+    if not batch.future.done():
+        batch.future.set_result(outcomes)

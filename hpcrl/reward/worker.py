@@ -1,0 +1,93 @@
+"""One reward process: ``python -m hpcrl.reward.worker SPEC INDEX``, started and owned by ``RewardPool``.
+
+It resolves SPEC by import (the function is never sent to it), answers one handshake line, then scores
+batches until its stdin closes. The wire is JSON lines over the process's original stdin and stdout:
+
+    parent -> worker   [["prompt", "completion", "answer"], ...]         one batch per line
+    worker -> parent   {"ready": PID} | {"fatal": "why"}                 once, after resolving SPEC
+                       {"v": 1.0} | {"e": "raised ValueError: ..."}      one line per item, in order
+
+Those two descriptors are moved aside before the reward is imported: fd 0 becomes /dev/null and fd 1
+becomes stderr, so a reward that prints (or reads stdin) cannot corrupt the wire. The reward runs in
+the main thread, where libraries that time themselves out with SIGALRM (math-verify) work. A watchdog
+thread exits the process if its parent dies, so a worker stuck in a hung reward is not left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any, BinaryIO
+
+from hpcrl.logs import setup_logging
+from hpcrl.reward.registry import RewardFn, RewardSpecError, resolve, to_reward
+
+MAX_ERROR_CHARS = 2000  # longer exception texts are cut; the full traceback is the reward's to log
+_PARENT_POLL_S = 1.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    spec, index = (argv if argv is not None else sys.argv[1:])[:2]
+    requests, replies = _take_wire()
+    setup_logging("reward", index)
+    _watch_parent(os.getppid())
+    try:
+        fn = resolve(spec)
+    except RewardSpecError as e:
+        _send(replies, {"fatal": str(e)})
+        return 1
+    _send(replies, {"ready": os.getpid()})
+    for line in requests:
+        for prompt, completion, answer in json.loads(line):
+            _send(replies, score_one(fn, prompt, completion, answer))
+    return 0
+
+
+def score_one(fn: RewardFn, prompt: str, completion: str, answer: str) -> dict[str, Any]:
+    """``{"v": reward}`` or ``{"e": what went wrong}`` for one call."""
+    try:
+        value = fn(prompt, completion, answer)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # SystemExit and library BaseExceptions too: the worker lives on
+        return {"e": _cut(f"raised {type(e).__name__}: {e}")}
+    try:
+        return {"v": to_reward(value)}
+    except (TypeError, ValueError) as e:
+        return {"e": _cut(str(e))}
+
+
+def _take_wire() -> tuple[BinaryIO, BinaryIO]:
+    requests = os.fdopen(os.dup(0), "rb")
+    replies = os.fdopen(os.dup(1), "wb")
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.dup2(2, 1)
+    return requests, replies
+
+
+def _send(replies: BinaryIO, message: dict[str, Any]) -> None:
+    # flushed per item: the parent times each call from the previous reply
+    replies.write(json.dumps(message).encode() + b"\n")
+    replies.flush()
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
+
+
+def _watch_parent(parent: int) -> None:
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Reward functions for the tests, resolved by import in the worker processes as ``tests.reward.fixtures:NAME``."""
+
+import os
+import sys
+import time
+
+NOT_CALLABLE = 3
+
+
+def behave(prompt: str, completion: str, answer: str) -> float:
+    """1.0 if completion == answer, else 0.0; some completions make it misbehave instead."""
+    if completion == "hang":
+        time.sleep(60)
+    elif completion.startswith("sleep:"):
+        time.sleep(float(completion.removeprefix("sleep:")))
+    elif completion == "die":
+        os._exit(3)
+    elif completion == "raise":
+        raise ValueError(f"cannot score answer {answer!r}")
+    elif completion == "exit":
+        sys.exit(4)
+    return 1.0 if completion == answer else 0.0
+
+
+def worker_pid(prompt: str, completion: str, answer: str) -> int:
+    """The PID of the process the call ran in (an int: the pool converts it)."""
+    return os.getpid()
+
+
+def returns(prompt: str, completion: str, answer: str) -> object:
+    """Returns what ``completion`` names: a bool, a str, NaN, None."""
+    return {"true": True, "str": "yes", "nan": float("nan"), "inf": float("inf"), "none": None}[completion]
+
+
+def noisy(prompt: str, completion: str, answer: str) -> float:
+    """Writes to stdout (what the worker's wire would be, were it not moved aside) and reads stdin."""
+    print('{"v": 99.0}', flush=True)
+    sys.stdout.write("not json\n")
+    sys.stdout.flush()
+    assert sys.stdin.read() == ""  # /dev/null in a worker
+    return 0.5
