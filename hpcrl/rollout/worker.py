@@ -1,0 +1,200 @@
+"""``python -m hpcrl.rollout.worker [--run-dir DIR] [--rank N]``: one inference-server worker (role ``server``).
+
+What a scheduler runs for each server. The worker:
+
+1. reads the run's ``config.yaml`` (``HPCRL_RUN_DIR`` or ``--run-dir``) and its rank (``HPCRL_RANK`` or ``--rank``);
+2. picks its address: a port of its own port slot (``worker_ports``) in ``cluster.net``'s range, the host
+   it advertises (``cluster.net.advertise_host``, else discovered) and the host it binds
+   (``cluster.net.bind_host``, else the wildcard of the advertised address's family);
+3. starts the server of ``allocation.server.backend`` (hpcrl's CPU server or SGLang) as its child, whose
+   output goes to ``logs/server-proc-<rank>.log``;
+4. waits until the server answers /health (``cluster.roles.server.setup_timeout_s``), and only then registers
+   ``host:port`` in the run's registry: registered means ready;
+5. waits until the server exits (then exits with the server's exit code) or this worker gets SIGTERM or
+   SIGINT (then it ends the server's process tree by PID and exits with 128 + the signal).
+
+A server that dies while starting makes the worker exit non-zero with the server's exit code and log tail in
+the worker's own log, which the scheduler's ``WorkerFailed`` carries to the controller. Signals are only
+recorded while the worker works (spawning, registering) and acted on between steps, so no step is cut short
+and the server is never left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from types import FrameType
+
+from hpcrl.config.errors import ConfigError
+from hpcrl.config.load import load_run_config
+from hpcrl.config.schema import Config, NetConfig
+from hpcrl.launch.process import Child, ChildExited
+from hpcrl.launch.registry import Entry, Registry
+from hpcrl.launch.slots import RANK_ENV, worker_ports
+from hpcrl.logs import setup_logging
+from hpcrl.net import bind_address, discover_host, family_of
+from hpcrl.rollout.client import InferenceClient, InferenceError
+from hpcrl.rollout.serve import ServerProcess, start_server, stop_servers
+from hpcrl.rundir import RunDir
+
+log = logging.getLogger("hpcrl.rollout.worker")
+
+ROLE = "server"
+TINY_MODEL_DIR = "model"  # where, in the run directory, the controller writes the model of model.source=tiny
+_POLL_S = 0.2  # how often a serving worker checks its server and its signals
+_STOP_GRACE_S = 10.0  # seconds the server gets between SIGTERM and SIGKILL
+
+
+class _Stopped(Exception):
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"received {signal.Signals(signum).name}")
+
+
+class _Signals:
+    """Records SIGTERM and SIGINT instead of raising them, so that no step is interrupted half-way."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.received = self.received or signum
+
+    def check(self) -> None:
+        if self.received is not None:
+            raise _Stopped(self.received)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m hpcrl.rollout.worker", description=__doc__.splitlines()[0])
+    p.add_argument("--run-dir", default=os.environ.get("HPCRL_RUN_DIR"), help="run directory (HPCRL_RUN_DIR)")
+    p.add_argument("--rank", type=int, default=os.environ.get(RANK_ENV), help="rank among the servers (HPCRL_RANK)")
+    args = p.parse_args(argv)
+    if args.run_dir is None or args.rank is None:
+        p.error("needs the run directory and the rank: pass --run-dir and --rank, or set HPCRL_RUN_DIR and HPCRL_RANK")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signals = _Signals()  # first, so that a signal during start-up is seen, not fatal half-way
+    run_dir = RunDir(Path(args.run_dir).absolute())
+    setup_logging(ROLE, args.rank, "INFO", _own_log_file(run_dir.log_file(ROLE, args.rank)))
+    try:
+        cfg = load_run_config(run_dir.config_file)
+    except ConfigError as e:
+        log.error("cannot read the run's config: %s", e)
+        return 2
+    logging.getLogger().setLevel(cfg.run.log_level)
+    return serve(cfg, run_dir, args.rank, signals)
+
+
+def serve(cfg: Config, run_dir: RunDir, rank: int, signals: _Signals) -> int:
+    """Start, wait for, register and watch one server; returns the worker's exit code."""
+    net = cfg.cluster.net
+    advertised = net.advertise_host or discover_host(net.family, net.interface)
+    bind = net.bind_host or bind_address(family_of(advertised))
+    port = worker_ports(port_range(net)).allocate(1)[0]
+    alloc = cfg.allocation.server
+    resources = cfg.cluster.roles[ROLE]
+    log.info("server %d: %s backend, advertising %s port %d, binding %s", rank, alloc.backend, advertised, port, bind)
+    server = start_server(
+        alloc.backend,
+        model_path(cfg, run_dir),
+        bind_host=bind,
+        advertise_host=advertised,
+        port=port,
+        log_file=run_dir.log_file("server-proc", rank),
+        inference=cfg.inference,
+        tp_size=alloc.tp_size,
+        dtype=cfg.model.dtype,
+        seed=cfg.run.seed + rank,
+        rank=rank,
+        env={**cfg.cluster.env, **resources.env},
+    )
+    try:
+        try:
+            asyncio.run(_wait_healthy(server, resources.setup_timeout_s, cfg.inference.health_poll_s, signals))
+        except ChildExited as e:
+            log.error("the server died while starting: %s", e)
+            return _status(e.exit_code) or 1
+        except InferenceError as e:
+            log.error("the server did not become healthy (its log: %s): %s", server.child.log_file, e)
+            return 1
+        entry = Entry(ROLE, rank, advertised, port, extra={"backend": alloc.backend, "server_pid": server.child.pid})
+        registered = Registry(run_dir.registry).register(entry)
+        log.info("ready: serving at %s (registered in %s)", entry.address, registered)
+        try:
+            return _watch(server.child, signals)
+        finally:
+            registered.unlink(missing_ok=True)  # an entry must not outlive the server it names
+    except _Stopped as e:
+        log.info("%s: stopping the server", e)
+        return 128 + e.signum
+    finally:
+        stop_servers([server], grace_s=_STOP_GRACE_S)
+
+
+def model_path(cfg: Config, run_dir: RunDir) -> Path:
+    """model.path for model.source=local; the run directory's tiny model for model.source=tiny."""
+    if cfg.model.source == "local":
+        return Path(cfg.model.path)
+    path = run_dir.path / TINY_MODEL_DIR
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model.source=tiny, but {path} does not exist: the controller makes the tiny model there before "
+            "it starts servers; start the run through the controller, or set model.source=local and model.path"
+        )
+    return path
+
+
+def port_range(net: NetConfig) -> tuple[int, int] | None:
+    """cluster.net's port range, or None for the default one (port_min = port_max = 0)."""
+    return (net.port_min, net.port_max) if net.port_max else None
+
+
+async def _wait_healthy(server: ServerProcess, timeout_s: float, poll_s: float, signals: _Signals) -> None:
+    """``serve.wait_ready`` for one server, also ending the wait when this worker is signalled."""
+
+    def check_alive() -> None:
+        signals.check()
+        server.child.check_alive()
+
+    async with InferenceClient([server.address]) as client:
+        await client.wait_healthy(timeout_s, check_alive=check_alive, poll_s=poll_s)
+
+
+def _watch(child: Child, signals: _Signals) -> int:
+    """Block until the server exits (return its status) or a signal comes (raise ``_Stopped``)."""
+    while True:
+        signals.check()
+        code = child.poll()
+        if code is not None:
+            log.error("%s", ChildExited(child.name, child.pid, code, child.log_tail(), child.log_file))
+            return _status(code)
+        time.sleep(_POLL_S)
+
+
+def _status(code: int) -> int:
+    """A child's exit code as this process's exit status: killed by signal N becomes 128 + N, as in a shell."""
+    return 128 - code if code < 0 else code
+
+
+def _own_log_file(path: Path) -> Path | None:
+    """``path``, unless stderr already goes there (a scheduler captured it), which would log every line twice."""
+    try:
+        err, log_file = os.fstat(2), os.stat(path)
+    except OSError:
+        return path
+    return None if (err.st_dev, err.st_ino) == (log_file.st_dev, log_file.st_ino) else path
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
