@@ -45,7 +45,7 @@ class Registry:
 
     def entries(self, role: str) -> list[Entry]:
         found = [Entry(**json.loads(p.read_text())) for p in self.directory.glob(f"{role}-*.json")]
-        return sorted(found, key=lambda e: e.rank)
+        return sorted((e for e in found if e.role == role), key=lambda e: e.rank)  # not those of "<role>-x"
 
     def clear(self, role: str) -> None:
         for p in self.directory.glob(f"{role}-*.json"):
