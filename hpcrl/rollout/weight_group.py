@@ -15,7 +15,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
+from torch.distributed import TCPStore
+from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
 
 from hpcrl.net import format_hostport
 
@@ -34,8 +35,9 @@ def open_weight_group(
     """Join the weight-update group as ``rank`` of ``world_size``; blocks until every member joins."""
     timeout = timedelta(seconds=timeout_s)
     url = f"tcp://{format_hostport(master_address, master_port)}"
-    store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    # The store is built here, as torch's tcp:// rendezvous builds it (rank 0 hosts it), not through that
+    # rendezvous: under torchrun (TORCHELASTIC_USE_AGENT_STORE) it would make rank 0 a client too.
+    store = TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True)
     group, _ = _new_process_group_helper(
         world_size, rank, [], backend, PrefixStore(group_name, store), group_name=group_name, timeout=timeout
     )

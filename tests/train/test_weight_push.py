@@ -1,0 +1,178 @@
+"""Weight push: the tensor list in this process, and both push paths from real torchrun ranks to a real server.
+
+``scripts/push_weights.py`` (2 ranks on gloo) trains the tiny model away from what a live CPU server holds,
+pushes through the disk and then through the process group, and records what the server answered.
+Server start and the torchrun launch take about 20 s together on 2 CPU cores, so these are not ``slow``.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+from hpcrl.config.schema import InferenceConfig, TrainConfig
+from hpcrl.models.tiny import make_tiny_model
+from hpcrl.rollout.serve import start_server, stop_servers, wait_ready
+from hpcrl.train.dist import init_distributed
+from hpcrl.train.engine import Engine
+from hpcrl.train.weight_push import join_weight_group, push_over_group, weight_specs
+from tests.conftest import REPO
+from tests.rollout.conftest import free_port
+
+SCRIPT = REPO / "tests" / "train" / "scripts" / "push_weights.py"
+TIMEOUT_S = 240  # the script's collectives time out after 120 s, so a hang fails long before this
+LOGPROB_TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+# ---- weight_specs, in this process (a 1-rank gloo group, still FSDP2-sharded) ------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    created = not dist.is_initialized()
+    engine = Engine(tiny_model, TrainConfig(micro_batch_tokens=64), dist=init_distributed())
+    engine.setup()
+    yield engine
+    if created:
+        dist.destroy_process_group()
+
+
+def test_weight_specs_are_the_exported_tensors_in_state_dict_order(engine, tmp_path):
+    specs = weight_specs(engine)
+    export = engine.export_hf(tmp_path / "export")
+    with safe_open(export / "model.safetensors", "pt") as f:
+        saved = {name: f.get_slice(name) for name in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+        on_disk = {name: (s.get_dtype(), s.get_shape()) for name, s in saved.items()}
+    assert {name for name, _, _ in specs} == set(on_disk)
+    assert "lm_head.weight" not in on_disk, "the tiny model ties lm_head to the embedding"
+    for name, dtype, shape in specs:
+        assert (dtype, shape) == ("float32", on_disk[name][1]), name
+        assert on_disk[name][0] == "F32"
+    # the order is the state dict's, which is the server model's own, minus the tied head
+    expected = [n for n in engine.full_state_dict() if n != "lm_head.weight"]
+    assert [name for name, _, _ in specs] == expected
+    server_model = AutoModelForCausalLM.from_pretrained(export)
+    assert [n for n in server_model.state_dict() if n != "lm_head.weight"] == expected
+
+
+def test_weight_specs_leave_sharding_alone_and_take_a_wire_dtype(engine):
+    specs = weight_specs(engine)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    engine.token_logprobs(ids, torch.ones_like(ids))
+    unsharded = type(engine.model.get_input_embeddings().weight)
+    assert unsharded is not DTensor, "FSDP2 keeps the root's parameters unsharded after a forward"
+    # the same answer while FSDP2 holds the root's parameters unsharded after a forward, and no reshard:
+    # state_dict() would reshard this rank alone, and the next forwards would all-gather out of step
+    assert weight_specs(engine) == specs
+    assert type(engine.model.get_input_embeddings().weight) is unsharded
+    assert {dtype for _, dtype, _ in weight_specs(engine, torch.bfloat16)} == {"bfloat16"}
+    assert weight_specs(engine, "bfloat16") == weight_specs(engine, torch.bfloat16)
+    for bad in ("int8", "float33", torch.long):
+        with pytest.raises(ValueError, match="floating-point torch dtype"):
+            weight_specs(engine, bad)
+
+
+def test_misuse_fails_on_every_rank_before_any_gather(engine):
+    with pytest.raises(ValueError, match=r"this rank \(0\) passed None, expected the WeightGroup"):
+        push_over_group(engine, None)
+    with pytest.raises(ValueError, match="world_size must be >= 2"):
+        join_weight_group(engine, "127.0.0.1", 1, world_size=1)
+    with pytest.raises(ValueError, match="backend nccl needs the trainer on CUDA"):
+        join_weight_group(engine, "127.0.0.1", 1, world_size=2, backend="nccl")
+
+
+# ---- both paths, torchrun ranks against a live server ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    log_file = tmp_path_factory.mktemp("server") / "server.log"
+    servers = [
+        start_server(
+            "cpu",
+            tiny_model,
+            bind_host="127.0.0.1",
+            advertise_host="127.0.0.1",
+            port=free_port(),
+            log_file=log_file,
+            inference=InferenceConfig(),
+        )
+    ]
+    try:
+        asyncio.run(wait_ready(servers, timeout_s=120, poll_s=0.2))
+        yield servers[0]
+    finally:
+        stop_servers(servers, grace_s=5)  # by PID, the process tree
+
+
+@pytest.fixture(scope="module")
+def pushed(tiny_model, server, tmp_path_factory):
+    out = tmp_path_factory.mktemp("push")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT)]
+    args = [str(tiny_model), server.address, str(free_port()), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # own session: on a timeout the ranks die with torchrun instead of lingering
+    proc = subprocess.Popen(
+        [*cmd, *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"push_weights.py hung for {TIMEOUT_S} s:\n{output[-6000:]}\n{server.child.log_tail()}")
+    assert proc.returncode == 0, f"push_weights.py failed:\n{output[-6000:]}\nserver:\n{server.child.log_tail()}"
+    return [json.loads((out / f"result_rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def _check_push(phase: dict, version: str) -> None:
+    print(
+        f"version {version}: {phase['seconds']:.2f} s from push to loaded, max |server - reference| logprob "
+        f"{phase['max_logprob_gap']:.3g}; first completion {phase['before'][0]} -> {phase['after'][0]}"
+    )
+    assert phase["after"] == phase["reference"], "the server must generate what the pushed model generates"
+    assert phase["after"] != phase["before"], "the push changed nothing on the server, so equality would prove little"
+    assert phase["max_logprob_gap"] < LOGPROB_TOLERANCE
+    assert phase["version"] == version
+
+
+def test_push_to_disk_reloads_the_server(pushed):
+    _check_push(pushed[0]["disk"], "1")
+
+
+def test_push_over_group_reaches_the_server(pushed):
+    rank0, rank1 = pushed[0]["group"], pushed[1]["group"]
+    _check_push(rank0, "2")
+    assert (rank0["world_size"], rank0["backend"]) == (2, "gloo")
+    assert rank1["group_is_none"], "only rank 0 joins the weight group"
+    # the logprob measure tells weights apart: against the weights the server held before, it is large
+    assert rank0["stale_logprob_gap"] > 100 * LOGPROB_TOLERANCE, rank0["stale_logprob_gap"]
+    # every rank took part in one gather per tensor the server was told to expect
+    assert rank0["tensors"] == rank1["tensors"] == len(rank0["specs"])
+
+
+def test_ranks_agree_on_the_specs_and_they_never_change(pushed):
+    specs = pushed[0]["specs_at_setup"]
+    assert pushed[1]["specs_at_setup"] == specs
+    assert pushed[0]["group"]["specs"] == specs
+    assert "lm_head.weight" not in {name for name, _, _ in specs}
