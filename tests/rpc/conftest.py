@@ -1,0 +1,118 @@
+"""Real RPC servers on loopback, in threads of the test process, and helpers to compare messages."""
+
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import tempfile
+import threading
+import types
+import typing
+from typing import Any
+
+import pytest
+import torch
+from hypothesis.configuration import set_hypothesis_home_dir
+
+from hpcrl.net import parse_hostport
+from hpcrl.rpc import RpcServer
+from hpcrl.rpc.fields import field_types
+
+TOKEN = "test-token-" + "x" * 32
+# hypothesis caches constants under ./.hypothesis even without an example database: keep the checkout clean
+set_hypothesis_home_dir(f"{tempfile.gettempdir()}/hpcrl-hypothesis")
+
+
+class Counting:
+    """A handler that records every message it was called with (on the handler thread)."""
+
+    def __init__(self, reply: Any = None):
+        self.calls: list[Any] = []
+        self.threads: set[str] = set()
+        self.reply = reply
+
+    def __call__(self, msg: Any) -> Any:
+        self.calls.append(msg)
+        self.threads.add(threading.current_thread().name)
+        return msg if self.reply is None else self.reply
+
+
+@pytest.fixture
+def serve():
+    """``serve(handlers, rank=0, host=..., **kw) -> (server, address)``; every server is stopped at teardown."""
+    servers: list[RpcServer] = []
+
+    def start(handlers: dict, rank: int = 0, host: str = "127.0.0.1", **kw: Any) -> tuple[RpcServer, str]:
+        server = RpcServer(handlers, kw.pop("token", TOKEN), rank, host=host, **kw)
+        servers.append(server)
+        return server, server.start_in_thread(timeout_s=30)
+
+    yield start
+    for server in servers:
+        server.stop()
+    for server in servers:
+        server.serve_until_stopped(timeout_s=30)
+
+
+def raw_post(address: str, method: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    """A plain HTTP POST without ``Expect: 100-continue``: the body is on the wire before any check."""
+    host, port = parse_hostport(address)
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    try:
+        conn.request("POST", f"/rpc/{method}", body=body, headers=headers or {})
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def bearer(token: str = TOKEN) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def sample(ann: Any, seed: int = 0) -> Any:
+    """A value of every annotation a message may use, with some variety from ``seed``."""
+    if ann is int:
+        return 7 + seed
+    if ann is float:
+        return 0.5 + seed
+    if ann is str:
+        return f"text-{seed}-é"
+    if ann is bool:
+        return seed % 2 == 0
+    if ann is torch.Tensor:
+        return torch.arange(6 + seed, dtype=torch.float32).reshape(-1, 1).bfloat16()
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin in (types.UnionType, typing.Union):
+        inner = next(a for a in args if a is not type(None))
+        return None if seed % 3 == 2 else sample(inner, seed)
+    if origin is list:
+        return [sample(args[0], seed + i) for i in range(2)]
+    if origin is dict:
+        return {f"k{i}": sample(args[1], seed + i) for i in range(2)}
+    return ann(**{name: sample(t, seed) for name, t in field_types(ann).items()})
+
+
+def assert_same(a: Any, b: Any, path: str = "msg") -> None:
+    """Equal values, with tensors compared bit for bit and by dtype and shape."""
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{path}: {a.dtype}{list(a.shape)} != {b.dtype}{list(b.shape)}"
+        assert _bytes(a) == _bytes(b), f"{path}: tensor bytes differ"
+    elif dataclasses.is_dataclass(a):
+        for f in dataclasses.fields(a):
+            assert_same(getattr(a, f.name), getattr(b, f.name), f"{path}.{f.name}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, dict):
+        assert list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def _bytes(t: torch.Tensor) -> list[int]:
+    return t.contiguous().reshape(-1).view(torch.uint8).tolist()
