@@ -1,13 +1,15 @@
 """``python -m hpcrl.main [group=option ...] [key=value ...]``: the hpcrl job.
 
 Composes the config with Hydra (``conf/``), validates it before anything starts, makes the run
-directory ``<run.root>/<run.experiment>/<run.trial>/`` and runs the job. With ``-m
+directory ``<run.root>/<run.experiment>/<run.trial>/``, runs the job (``hpcrl.controller.job``) and
+ends with one JSON line on stdout: steps, wall_s, eval_accuracy_before, eval_accuracy_after, run_dir. With ``-m
 hydra/launcher=submitit_slurm`` the same function runs as a Slurm job; the config is validated in
 the submitting process first (``hpcrl.config.hydra.ValidateBeforeLaunch``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -31,14 +33,23 @@ def run(dcfg: DictConfig) -> None:
     cfg = to_config_or_exit(dcfg)
     run_dir = RunDir.create(cfg.run.root, cfg.run.experiment, cfg.run.trial)
     setup_logging("controller", 0, cfg.run.log_level, run_dir.log_file("controller", 0))
-    resolved = dump_config(cfg)
-    run_dir.write_config(resolved)
-    print(resolved, end="")
+    run_dir.write_config(dump_config(cfg))
     log.info(
-        "allocation %s on cluster %s (%s)", format_spec(cfg.allocation.roles()), cfg.cluster.name, cfg.cluster.kind
+        "allocation %s on cluster %s (%s); run directory %s",
+        format_spec(cfg.allocation.roles()),
+        cfg.cluster.name,
+        cfg.cluster.kind,
+        run_dir.path,
     )
-    log.info("run directory %s", run_dir.path)
-    log.warning("training is not built yet: this job composes, validates and prints the config, then stops")
+    from hpcrl.controller.job import run_job
+
+    try:
+        summary = run_job(cfg, run_dir)
+    except (Exception, KeyboardInterrupt) as e:  # every worker is stopped by now; say why, then fail
+        log.error("the run failed: %s", e, exc_info=not isinstance(e, KeyboardInterrupt))
+        print(f"hpcrl: the run failed ({type(e).__name__}): {e}", file=sys.stderr)
+        sys.exit(1)
+    print(json.dumps(summary), flush=True)
 
 
 def main() -> None:

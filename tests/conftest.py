@@ -30,3 +30,11 @@ def main_cli(tmp_path):
         return run_main(*args, f"run.root={tmp_path}", cwd=tmp_path)
 
     return call
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A tiny Qwen2 model and character tokenizer, made once per test session."""
+    from hpcrl.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0)

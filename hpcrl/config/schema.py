@@ -37,7 +37,9 @@ class RoleAllocation:
 class AllocationConfig:
     spec: str = ""  # one-line shorthand, e.g. "sglang:d4t2+fsdp:d8"; when set it replaces server/trainer
     server: RoleAllocation = field(default_factory=lambda: RoleAllocation(backend="cpu"))  # inference servers
-    trainer: RoleAllocation = field(default_factory=lambda: RoleAllocation(backend="fsdp", workers=2))  # trainers
+    trainer: RoleAllocation = field(
+        default_factory=lambda: RoleAllocation(backend="fsdp", workers=2, gpus_per_worker=0)
+    )  # trainers (CPU ranks by default, like allocation=cpu_tiny)
 
     def roles(self) -> dict[str, RoleAllocation]:
         return {"server": self.server, "trainer": self.trainer}

@@ -89,12 +89,16 @@ class RolloutExecutor:
         self.running.discard(task)
         if task.cancelled():
             return
-        if task.exception() is not None:
-            self._error = self._error or task.exception()  # the first failure is the one to report
-        elif self.accept(task.result()):
-            self.ready.append(task.result())
-            self.accepted_total += 1
+        try:
+            group = task.result()
+            accepted = self.accept(group)
+        except Exception as e:  # the episode, or the accept policy (e.g. reward.on_error=fail), failed
+            self._error = self._error or e  # the first failure is the one to report
         else:
-            self.rejected_total += 1
+            if accepted:
+                self.ready.append(group)
+                self.accepted_total += 1
+            else:
+                self.rejected_total += 1
         self._wake_pump.set()
         self._wake_batch.set()

@@ -32,12 +32,12 @@ from types import FrameType
 
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.load import load_run_config
-from hpcrl.config.schema import Config, NetConfig
+from hpcrl.config.schema import Config
+from hpcrl.launch.addresses import port_range, worker_addresses
 from hpcrl.launch.process import Child, ChildExited
 from hpcrl.launch.registry import Entry, Registry
 from hpcrl.launch.slots import RANK_ENV, worker_ports
 from hpcrl.logs import setup_logging
-from hpcrl.net import bind_address, discover_host, family_of
 from hpcrl.rollout.client import InferenceClient, InferenceError
 from hpcrl.rollout.serve import ServerProcess, start_server, stop_servers
 from hpcrl.rundir import RunDir
@@ -98,10 +98,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve(cfg: Config, run_dir: RunDir, rank: int, signals: _Signals) -> int:
     """Start, wait for, register and watch one server; returns the worker's exit code."""
-    net = cfg.cluster.net
-    advertised = net.advertise_host or discover_host(net.family, net.interface)
-    bind = net.bind_host or bind_address(family_of(advertised))
-    port = worker_ports(port_range(net)).allocate(1)[0]
+    advertised, bind = worker_addresses(cfg.cluster.net)
+    port = worker_ports(port_range(cfg.cluster.net)).allocate(1)[0]
     alloc = cfg.allocation.server
     resources = cfg.cluster.roles[ROLE]
     log.info("server %d: %s backend, advertising %s port %d, binding %s", rank, alloc.backend, advertised, port, bind)
@@ -153,11 +151,6 @@ def model_path(cfg: Config, run_dir: RunDir) -> Path:
             "it starts servers; start the run through the controller, or set model.source=local and model.path"
         )
     return path
-
-
-def port_range(net: NetConfig) -> tuple[int, int] | None:
-    """cluster.net's port range, or None for the default one (port_min = port_max = 0)."""
-    return (net.port_min, net.port_max) if net.port_max else None
 
 
 async def _wait_healthy(server: ServerProcess, timeout_s: float, poll_s: float, signals: _Signals) -> None:

@@ -1,8 +1,9 @@
-"""``torchrun ... -m hpcrl.train.worker --model-path P``: one trainer rank.
+"""``torchrun ... python -m hpcrl.train.worker [--run-dir D]``: one trainer rank.
 
-For now a rank joins the group, loads and shards the model, logs ``ready`` and leaves cleanly; the RPC
-server that will drive the engine comes later. torch is imported inside ``main`` so ``--help`` and
-argument errors come back at once.
+It reads the run's config from the run directory, sets up the FSDP2 engine, serves the trainer RPC
+(``service.py``) on a port of its own slot, registers ``host:port`` in the run's registry (which tells
+the controller it is ready) and serves until the controller sends ``shutdown``. torch is imported late
+so argument errors come back at once.
 """
 
 from __future__ import annotations
@@ -10,40 +11,64 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from pathlib import Path
 
-logger = logging.getLogger("hpcrl.train.worker")
+log = logging.getLogger("hpcrl.train.worker")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-path", required=True, help="local Hugging Face model directory")
-    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (model.dtype)")
-    parser.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate (train.lr)")
-    parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="train.micro_batch_tokens")
-    parser.add_argument("--timeout-s", type=float, default=1800.0, help="deadline of every collective, seconds")
-    parser.add_argument("--log-level", default="INFO")
-    return parser.parse_args(argv)
+    parser.add_argument("--run-dir", default=os.environ.get("HPCRL_RUN_DIR"), help="the run directory")
+    args = parser.parse_args(argv)
+    if not args.run_dir:
+        parser.error("--run-dir (or HPCRL_RUN_DIR) is required")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
     from hpcrl.logs import setup_logging
 
-    setup_logging("trainer", os.environ.get("RANK", "0"), args.log_level)
-
+    setup_logging("trainer", rank)
+    import torch
     import torch.distributed as dist
 
-    from hpcrl.config.schema import TrainConfig
+    from hpcrl.config.load import load_run_config
+    from hpcrl.launch.addresses import port_range, worker_addresses
+    from hpcrl.launch.registry import Entry, Registry
+    from hpcrl.launch.slots import worker_ports
+    from hpcrl.rpc.auth import read_token
+    from hpcrl.rpc.server import RpcServer
+    from hpcrl.rundir import RunDir
     from hpcrl.train.dist import init_distributed
     from hpcrl.train.engine import Engine
+    from hpcrl.train.service import TrainerService
 
-    info = init_distributed(timeout_s=args.timeout_s)
+    run_dir = RunDir(Path(args.run_dir))
+    cfg = load_run_config(run_dir.config_file)
+    logging.getLogger().setLevel(cfg.run.log_level)
+    info = init_distributed()
     try:
-        train = TrainConfig(lr=args.lr, micro_batch_tokens=args.micro_batch_tokens)
-        engine = Engine(args.model_path, train, dtype=args.dtype, dist=info)
+        engine = Engine(cfg.model.path, cfg.train, cfg.model.dtype, info, total_steps=cfg.run.max_steps)
         engine.setup()
-        logger.info("ready")
-        dist.barrier(group=info.meta_group)  # leave together: no rank tears down while another still loads
+        advertised, bind = worker_addresses(cfg.cluster.net)
+        port = worker_ports(port_range(cfg.cluster.net)).allocate(1)[0]
+        on_gpu = info.device.type == "cuda"
+        server = RpcServer(
+            TrainerService(engine, cfg, rank).handlers(),
+            read_token(run_dir.path),
+            rank,
+            host=bind,
+            port=port,
+            advertise_host=advertised,
+            thread_init=(lambda: torch.cuda.set_device(info.device)) if on_gpu else None,
+        )
+        server.start_in_thread()
+        entry = Registry(run_dir.registry).register(Entry("trainer", rank, advertised, port))
+        log.info("ready: trainer RPC at %s (registered in %s)", server.address, entry)
+        server.serve_until_stopped()
+        log.info("shut down by the controller")
     finally:
         dist.destroy_process_group()
     return 0

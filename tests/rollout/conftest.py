@@ -13,11 +13,6 @@ from hpcrl.net import PortAllocator, format_hostport
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-a"), seed=0)
-
-
-@pytest.fixture(scope="session")
 def tiny_model_b(tmp_path_factory):
     """The same architecture with other weights (another seed): a weight update must show."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny-b"), seed=1)

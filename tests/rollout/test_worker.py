@@ -21,11 +21,11 @@ from hpcrl.config.schema import (
     RoleResources,
     RunConfig,
 )
+from hpcrl.launch.addresses import port_range
 from hpcrl.launch.base import RoleSpec, WorkerFailed
 from hpcrl.launch.local import LocalScheduler
 from hpcrl.launch.slots import PortSlots
 from hpcrl.rollout.client import InferenceClient
-from hpcrl.rollout.worker import port_range
 from hpcrl.rundir import RunDir
 
 PARAMS = {"max_new_tokens": 4, "temperature": 0}

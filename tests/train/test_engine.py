@@ -2,9 +2,6 @@
 
 import logging
 import math
-import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -12,18 +9,11 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.config.schema import TrainConfig
-from hpcrl.models.tiny import make_tiny_model
 from hpcrl.train.batch import Sequence
 from hpcrl.train.dist import init_distributed
 from hpcrl.train.engine import Engine
-from tests.conftest import REPO
 
 TRAIN = TrainConfig(lr=1e-3, grad_clip=1.0, micro_batch_tokens=32)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")
@@ -177,15 +167,3 @@ def test_bad_arguments_fail_in_the_constructor(tmp_path, kwargs, match):
 def test_using_the_engine_before_setup_says_so(tmp_path):
     with pytest.raises(RuntimeError, match=r"setup\(\)"):
         Engine(tmp_path, TRAIN).token_logprobs(torch.zeros((1, 2), dtype=torch.long), torch.ones((1, 2)))
-
-
-def test_worker_sets_up_every_rank_under_torchrun(tiny_model):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += ["-m", "hpcrl.train.worker", "--model-path", str(tiny_model), "--timeout-s", "60"]
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
-    for rank in (0, 1):
-        assert f"[trainer:{rank}] INFO hpcrl.train.worker: ready" in output, output
-        assert f"RANK={rank} WORLD_SIZE=2 LOCAL_RANK={rank}" in output, output

@@ -20,7 +20,6 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from hpcrl.config.schema import InferenceConfig, TrainConfig
-from hpcrl.models.tiny import make_tiny_model
 from hpcrl.rollout.serve import start_server, stop_servers, wait_ready
 from hpcrl.train.dist import init_distributed
 from hpcrl.train.engine import Engine
@@ -31,11 +30,6 @@ from tests.rollout.conftest import free_port
 SCRIPT = REPO / "tests" / "train" / "scripts" / "push_weights.py"
 TIMEOUT_S = 240  # the script's collectives time out after 120 s, so a hang fails long before this
 LOGPROB_TOLERANCE = 1e-4
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 # ---- weight_specs, in this process (a 1-rank gloo group, still FSDP2-sharded) ------------------------

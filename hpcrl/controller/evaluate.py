@@ -1,0 +1,25 @@
+"""Held-out evaluation: greedy completions of every held-out prompt, scored by the run's reward."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from typing import Any
+
+from hpcrl.rollout.client import InferenceClient
+
+
+async def greedy_accuracy(
+    client: InferenceClient, tokenizer: Any, rows: list[dict[str, str]], rewards: Any, max_new_tokens: int
+) -> float:
+    """Mean reward of greedy completions (for 0/1 rewards: the fraction answered correctly)."""
+    params = {"max_new_tokens": max_new_tokens, "temperature": 0.0}
+
+    async def one(row: dict[str, str]) -> str:
+        ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+        result = await client.generate(ids, params, return_logprob=False)
+        return tokenizer.decode(result.output_ids, skip_special_tokens=True)
+
+    completions = await asyncio.gather(*(one(r) for r in rows))
+    outcomes = await rewards.score([(r["prompt"], c, r["answer"]) for r, c in zip(rows, completions, strict=True)])
+    return statistics.fmean(o.value if o.value is not None else 0.0 for o in outcomes)

@@ -1,0 +1,152 @@
+"""The job ``python -m hpcrl.main`` runs: data, model, workers, the loop, and its summary.
+
+    prepare: data splits -> model directory (a tiny one is made for the task) -> config.yaml + secret
+    start:   scheduler -> server workers + trainer ranks (each registers host:port when it serves)
+    run:     Loop (rollout -> train -> weight sync -> eval -> metrics) until the budget or the target
+    end:     trainers shut down over RPC; leaving the scheduler's block stops every process tree by PID
+
+Healthy shutdown: the loop returns, workers are told to stop, then the scheduler ends what is left.
+Crash shutdown (an exception, Ctrl-C, SIGTERM, a dead worker): the exception unwinds through the
+scheduler's context manager, which ends every worker's process tree; the error names the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from hpcrl.config.load import dump_config
+from hpcrl.config.schema import Config
+from hpcrl.controller.loop import Loop, Workers
+from hpcrl.controller.metrics import plot
+from hpcrl.controller.progress import Progress
+from hpcrl.controller.trainers import Trainers
+from hpcrl.controller.weights import WeightSync
+from hpcrl.launch.addresses import port_range
+from hpcrl.launch.base import RoleSpec
+from hpcrl.launch.local import LocalScheduler
+from hpcrl.launch.slots import PortSlots
+from hpcrl.reward.pool import RewardPool
+from hpcrl.rollout.client import InferenceClient
+from hpcrl.rpc.auth import create_token, read_token
+from hpcrl.rundir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+def run_job(cfg: Config, run_dir: RunDir) -> dict[str, Any]:
+    from hpcrl.data import load_splits
+
+    train, held_out = load_splits(cfg.dataset, cfg.run.seed)
+    train_rows, eval_rows = list(train), list(held_out)
+    model_path = prepare_model(cfg, run_dir, train_rows + eval_rows)
+    cfg = replace(cfg, model=replace(cfg.model, path=str(model_path)))
+    run_dir.write_config(dump_config(cfg))
+    token = read_token(run_dir.path) if (run_dir.path / "secret").exists() else create_token(run_dir.path)
+    alloc = cfg.allocation
+    slots = PortSlots({"server": alloc.server.workers, "trainer": alloc.trainer.workers})
+    with (
+        LocalScheduler(run_dir, slots, port_range(cfg.cluster.net)) as scheduler,
+        RewardPool(cfg.reward.fn, cfg.reward.workers, cfg.reward.timeout_s) as rewards,
+    ):
+        servers = scheduler.start(server_spec(cfg))
+        trainers = scheduler.start(trainer_spec(cfg))
+        server_entries = servers.wait_ready()
+        trainer_entries = trainers.wait_ready()
+
+        def check_alive() -> None:
+            servers.check_alive()
+            trainers.check_alive()
+
+        workers = Workers(None, None, rewards, check_alive)  # client and trainers are opened below
+        addresses = ([e.address for e in server_entries], [e.address for e in trainer_entries])
+        summary = asyncio.run(_drive(cfg, run_dir, workers, addresses, token, scheduler, train_rows, eval_rows))
+    plot(run_dir.path / "metrics.jsonl", run_dir.path / "metrics.png")
+    return {**summary, "run_dir": str(run_dir.path)}
+
+
+async def _drive(cfg, run_dir, workers, addresses, token, scheduler, train_rows, eval_rows) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    server_addresses, trainer_addresses = addresses
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    async with (
+        InferenceClient(server_addresses, request_timeout_s=cfg.rollout.request_timeout_s) as client,
+        Trainers(trainer_addresses, token, cfg.rollout.temperature) as trainers,
+    ):
+        workers.client, workers.trainers = client, trainers
+        loop = Loop(cfg, workers, tokenizer, train_rows, eval_rows, run_dir)
+        sync = WeightSync(cfg.train.weight_sync, client, trainers, loop.resumed, run_dir.path / "weights")
+        if cfg.train.weight_sync == "distributed":
+            await sync.setup(_controller_host(cfg), scheduler.ports.allocate(1)[0])
+        with Progress(cfg.run.max_steps) as progress:
+            loop.progress = progress.update
+            summary = await loop.run(sync)
+        await sync.close()
+        await trainers.shutdown()
+    return summary
+
+
+def server_spec(cfg: Config) -> RoleSpec:
+    a, res = cfg.allocation.server, cfg.cluster.roles["server"]
+    return RoleSpec(
+        "server",
+        [sys.executable, "-m", "hpcrl.rollout.worker"],
+        workers=a.workers,
+        nodes=a.nodes,
+        gpus_per_worker=a.gpus_per_worker or 0,
+        cpus_per_worker=res.cpus_per_worker,
+        env={**cfg.cluster.env, **res.env},
+        setup_timeout_s=res.setup_timeout_s,
+    )
+
+
+def trainer_spec(cfg: Config) -> RoleSpec:
+    a, res = cfg.allocation.trainer, cfg.cluster.roles["trainer"]
+    return RoleSpec(
+        "trainer",
+        [sys.executable, "-m", "hpcrl.train.worker"],
+        workers=a.workers,
+        nodes=a.nodes,
+        gpus_per_worker=a.gpus_per_worker or 0,
+        cpus_per_worker=res.cpus_per_worker,
+        torchrun=True,
+        env={"OMP_NUM_THREADS": "1", **cfg.cluster.env, **res.env},
+        setup_timeout_s=res.setup_timeout_s,
+    )
+
+
+def prepare_model(cfg: Config, run_dir: RunDir, rows: list[dict[str, str]]) -> Path:
+    """The model directory: model.path, or a tiny model made for the task's characters (reused if there)."""
+    if cfg.model.source == "local":
+        return Path(cfg.model.path)
+    out = run_dir.path / "model"
+    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+        return out
+    from hpcrl.models.tiny import make_tiny_model
+
+    characters = "".join(sorted({c for r in rows for c in r["prompt"] + r["answer"]}))
+    t = cfg.model.tiny
+    log.info("making a tiny model in %s (alphabet %r)", out, characters)
+    return make_tiny_model(
+        out,
+        hidden_size=t.hidden_size,
+        num_layers=t.num_layers,
+        num_heads=t.num_heads,
+        intermediate_size=t.intermediate_size,
+        seed=cfg.run.seed,
+        characters=characters,
+    )
+
+
+def _controller_host(cfg: Config) -> str:
+    from hpcrl.net import discover_host
+
+    net = cfg.cluster.net
+    if cfg.cluster.kind == "local":
+        return "127.0.0.1"
+    return net.advertise_host or discover_host(net.family, net.interface)

@@ -1,0 +1,179 @@
+"""One RL run's loop: rollout -> train step -> weight sync -> eval -> metrics, until the budget or the target.
+
+Waits: the loop waits on the rollout executor for a batch of accepted groups, then on the trainers
+(every rank, one RPC each), then on the weight sync (servers paused, weights pushed, resumed). A
+watchdog checks every second that every worker process is alive; if one dies, the loop is cancelled
+and the watchdog's error (naming the worker) is raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from hpcrl.config.schema import Config
+from hpcrl.controller.batch import rollout_stats, shard, to_sequences
+from hpcrl.controller.evaluate import greedy_accuracy
+from hpcrl.controller.metrics import MetricsLog
+from hpcrl.controller.weights import WeightSync
+from hpcrl.reward.outcome import RewardError
+from hpcrl.rollout.client import InferenceClient
+from hpcrl.rollout.executor import RolloutExecutor
+from hpcrl.rollout.workflow import Group, SingleTurn
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Workers:
+    client: InferenceClient  # the inference servers
+    trainers: Any  # controller.trainers.Trainers: RPC to every trainer rank
+    rewards: Any  # reward.pool.RewardPool
+    check_alive: Callable[[], None]  # raises naming the worker when one has died
+
+
+def endless(rows: list[dict[str, str]], seed: int) -> Iterator[dict[str, str]]:
+    """The training rows, reshuffled every epoch."""
+    rng = random.Random(seed)
+    while True:
+        order = list(rows)
+        rng.shuffle(order)
+        yield from order
+
+
+class Loop:
+    def __init__(self, cfg: Config, workers: Workers, tokenizer: Any, train_rows: list, eval_rows: list, run_dir):
+        self.cfg, self.w, self.tokenizer, self.run_dir = cfg, workers, tokenizer, run_dir
+        self.train_rows, self.eval_rows = train_rows, eval_rows
+        self.resumed = asyncio.Event()
+        self.resumed.set()
+        self.counters = {"reward_errors": 0, "groups_dropped": 0, "groups_equal_reward": 0}
+        self.progress: Callable[[int, dict[str, Any]], None] = lambda step, metrics: None
+
+    async def run(self, sync: WeightSync) -> dict[str, Any]:
+        """Train until run.max_steps or eval.stop_at_accuracy; return the summary."""
+        main = asyncio.create_task(self._train(sync), name="loop")
+        watchdog = asyncio.create_task(self._watch(), name="watchdog")
+        done, _ = await asyncio.wait({main, watchdog}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (main, watchdog):
+            task.cancel()
+        await asyncio.gather(main, watchdog, return_exceptions=True)
+        return done.pop().result()
+
+    async def _watch(self) -> None:
+        while True:
+            self.w.check_alive()
+            await asyncio.sleep(1.0)
+
+    async def _train(self, sync: WeightSync) -> dict[str, Any]:
+        cfg, start = self.cfg, time.monotonic()
+        accuracy_before = await self.evaluate()
+        log.info("held-out accuracy before training: %.3f", accuracy_before)
+        executor = self._executor()
+        metrics_log = MetricsLog(self.run_dir.path)
+        executor.start()
+        accuracy, step = accuracy_before, 0
+        try:
+            for step in range(1, cfg.run.max_steps + 1):
+                metrics = await self._step(step, executor, sync)
+                if self._eval_due(step):
+                    accuracy = metrics["eval_accuracy"] = await self.evaluate()
+                metrics_log.log(step, metrics)
+                self.progress(step, metrics)
+                if cfg.eval.stop_at_accuracy and "eval_accuracy" in metrics and accuracy >= cfg.eval.stop_at_accuracy:
+                    log.info("held-out accuracy %.3f reached eval.stop_at_accuracy at step %d", accuracy, step)
+                    break
+        finally:
+            await executor.close()
+            metrics_log.close()
+        if "eval_accuracy" not in metrics:
+            accuracy = await self.evaluate()
+        return {
+            "steps": step,
+            "wall_s": round(time.monotonic() - start, 2),
+            "eval_accuracy_before": accuracy_before,
+            "eval_accuracy_after": accuracy,
+        }
+
+    async def _step(self, step: int, executor: RolloutExecutor, sync: WeightSync) -> dict[str, Any]:
+        cfg, version = self.cfg, step - 1  # the weights trained at this step are version step - 1
+        t0 = time.monotonic()
+        groups = await executor.next_batch()
+        t1 = time.monotonic()
+        metrics: dict[str, Any] = rollout_stats(groups, version)
+        sequences = to_sequences(groups, cfg.algorithm)
+        chunks = _split(sequences, cfg.algorithm.updates_per_batch)
+        results = [await self.w.trainers.train_step(shard(c, self.w.trainers.world_size)) for c in chunks]
+        t2 = time.monotonic()
+        await sync.push(step)
+        executor.set_version(step)
+        t3 = time.monotonic()
+        metrics.update({k: statistics.fmean(r[k] for r in results) for k in ("loss", "grad_norm")})
+        metrics.update(self.counters)
+        metrics.update(
+            groups_rejected=executor.rejected_total,
+            time_rollout_wait_s=round(t1 - t0, 4),
+            time_train_s=round(t2 - t1, 4),
+            time_sync_s=round(t3 - t2, 4),
+            time_step_s=round(t3 - t0, 4),
+        )
+        return metrics
+
+    def _executor(self) -> RolloutExecutor:
+        cfg = self.cfg
+        sampling = {
+            "max_new_tokens": cfg.rollout.max_new_tokens,
+            "temperature": cfg.rollout.temperature,
+            "top_p": cfg.rollout.top_p,
+            "top_k": cfg.rollout.top_k,
+        }
+        workflow = SingleTurn(
+            self.w.client, self.tokenizer, sampling, cfg.algorithm.group_size, self.w.rewards, self.resumed
+        )
+        return RolloutExecutor(
+            lambda row: workflow.run(row["prompt"], row["answer"]),
+            endless(self.train_rows, cfg.run.seed),
+            batch_size=cfg.rollout.prompts_per_step,
+            max_concurrent=cfg.rollout.max_concurrent,
+            max_staleness=cfg.rollout.max_staleness,
+            accept=self._accept,
+        )
+
+    def _accept(self, group: Group) -> bool:
+        """Apply reward.on_error and DAPO's filter; score failed rewards 0 under on_error=zero."""
+        failed = [s for s in group.samples if s.reward_error is not None]
+        if failed:
+            self.counters["reward_errors"] += len(failed)
+            policy = self.cfg.reward.on_error
+            if policy == "fail":
+                raise RewardError(f"{len(failed)} reward call(s) failed for {group.prompt!r}: {failed[0].reward_error}")
+            if policy == "drop":
+                self.counters["groups_dropped"] += 1
+                return False
+            for sample in failed:
+                sample.reward = 0.0
+        rewards = {s.reward for s in group.samples}
+        if self.cfg.algorithm.drop_equal_reward_groups and len(rewards) == 1:
+            self.counters["groups_equal_reward"] += 1
+            return False
+        return True
+
+    def _eval_due(self, step: int) -> bool:
+        every = self.cfg.eval.every_steps
+        return step == self.cfg.run.max_steps or (every > 0 and step % every == 0)
+
+    async def evaluate(self) -> float:
+        return await greedy_accuracy(
+            self.w.client, self.tokenizer, self.eval_rows, self.w.rewards, self.cfg.rollout.max_new_tokens
+        )
+
+
+def _split(items: list, parts: int) -> list[list]:
+    size = -(-len(items) // parts)
+    return [items[i : i + size] for i in range(0, len(items), size)]

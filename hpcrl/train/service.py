@@ -1,0 +1,103 @@
+"""What a trainer rank does for each RPC method: the engine's collectives, called in lockstep.
+
+The controller sends every method to every rank at once (each with its own shard of a batch), and the
+RPC server runs the handlers one at a time, in arrival order, so the ranks' collectives line up.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+
+from hpcrl.config.schema import Config
+from hpcrl.rpc.messages import (
+    Ack,
+    ComputeLogprobs,
+    ExportWeights,
+    JoinWeightGroup,
+    LoadCheckpoint,
+    LogprobsResult,
+    Ping,
+    Pong,
+    PushWeights,
+    SaveCheckpoint,
+    TrainerInfo,
+    TrainerState,
+    TrainStep,
+    TrainStepResult,
+    WeightSpecs,
+    WeightSpecsRequest,
+)
+from hpcrl.train.batch import Sequence
+from hpcrl.train.checkpoint import load_checkpoint, save_checkpoint
+from hpcrl.train.engine import Engine
+from hpcrl.train.loss import make_loss_fn
+from hpcrl.train.weight_push import join_weight_group, leave_weight_group, push_over_group, weight_specs
+
+
+class TrainerService:
+    def __init__(self, engine: Engine, cfg: Config, rank: int):
+        self.engine, self.rank = engine, rank
+        self.loss_fn = make_loss_fn(cfg.algorithm, cfg.rollout.max_new_tokens)
+        self.group = None  # rank 0's membership of the weight-update group, once joined
+
+    def handlers(self) -> dict:
+        return {
+            "ping": self.ping,
+            "info": self.info,
+            "train_step": self.train_step,
+            "compute_logprobs": self.compute_logprobs,
+            "export_weights": self.export_weights,
+            "save_checkpoint": self.save_checkpoint,
+            "load_checkpoint": self.load_checkpoint,
+            "join_weight_group": self.join_weight_group,
+            "weight_specs": self.weight_specs,
+            "push_weights": self.push_weights,
+            "shutdown": self.shutdown,
+        }
+
+    def ping(self, _: Ping) -> Pong:
+        return Pong(self.rank, os.getpid())
+
+    def info(self, _: TrainerInfo) -> TrainerState:
+        return TrainerState(self.rank, self.engine.step)
+
+    def train_step(self, msg: TrainStep) -> TrainStepResult:
+        sequences = [Sequence(**asdict(s)) for s in msg.sequences]
+        return TrainStepResult(self.engine.train_step(sequences, self.loss_fn, msg.temperature))
+
+    def compute_logprobs(self, msg: ComputeLogprobs) -> LogprobsResult:
+        sequences = [Sequence(**asdict(s)) for s in msg.sequences]
+        return LogprobsResult(self.engine.sequence_logprobs(sequences, msg.temperature))
+
+    def export_weights(self, msg: ExportWeights) -> Ack:
+        self.engine.export_hf(msg.path)
+        return Ack()
+
+    def save_checkpoint(self, msg: SaveCheckpoint) -> Ack:
+        save_checkpoint(self.engine, msg.path)
+        return Ack()
+
+    def load_checkpoint(self, msg: LoadCheckpoint) -> Ack:
+        load_checkpoint(self.engine, msg.path)
+        return Ack()
+
+    def join_weight_group(self, msg: JoinWeightGroup) -> Ack:
+        self.group = join_weight_group(
+            self.engine, msg.master_address, msg.master_port, msg.world_size, msg.group_name, msg.backend
+        )
+        return Ack()
+
+    def weight_specs(self, _: WeightSpecsRequest) -> WeightSpecs:
+        specs = weight_specs(self.engine)
+        return WeightSpecs([n for n, _, _ in specs], [d for _, d, _ in specs], [s for _, _, s in specs])
+
+    def push_weights(self, _: PushWeights) -> Ack:
+        push_over_group(self.engine, self.group)
+        return Ack()
+
+    def shutdown(self, _: object = None) -> Ack:
+        if self.group is not None:
+            leave_weight_group(self.group)
+            self.group = None
+        return Ack()
