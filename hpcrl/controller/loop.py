@@ -64,7 +64,23 @@ class Loop:
         for task in (main, watchdog):
             task.cancel()
         await asyncio.gather(main, watchdog, return_exceptions=True)
-        return done.pop().result()
+        finished = done.pop()
+        if finished.exception() is not None:
+            await self._blame_dead_worker(finished.exception())
+        return finished.result()
+
+    async def _blame_dead_worker(self, error: BaseException, grace_s: float = 5.0) -> None:
+        """An RPC or HTTP failure is often the echo of a worker that died: name that worker if there is one.
+
+        Its group may take a moment to notice (torchrun reaps the rest of its ranks first).
+        """
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            try:
+                self.w.check_alive()
+            except Exception as dead:
+                raise dead from error
+            await asyncio.sleep(0.2)
 
     async def _watch(self) -> None:
         while True:

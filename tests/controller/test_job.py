@@ -1,0 +1,100 @@
+"""``python -m hpcrl.main`` end to end on this machine: real servers, torchrun trainers, RPC, HTTP."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import REPO
+
+
+def run_job(tmp_path, *overrides, timeout=600):
+    cmd = [sys.executable, "-m", "hpcrl.main", f"run.root={tmp_path}", *overrides]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def summary_of(result):
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def metrics_of(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def processes_of(run_dir: str) -> list[psutil.Process]:
+    """Live processes whose environment names this run directory (every worker the schedulers start)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("HPCRL_RUN_DIR") == run_dir and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_default_job_learns_the_task(tmp_path):
+    result = run_job(tmp_path, "run.trial=learn", "run.max_steps=40")
+    summary = summary_of(result)
+    assert set(summary) >= {"steps", "wall_s", "eval_accuracy_before", "eval_accuracy_after", "run_dir"}
+    assert summary["eval_accuracy_after"] >= summary["eval_accuracy_before"] + 0.3, summary
+    run_dir = tmp_path / "default" / "learn"
+    assert summary["run_dir"] == str(run_dir)
+    rows = metrics_of(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, summary["steps"] + 1))
+    for key in ("reward_mean", "loss", "staleness_max", "time_step_s", "time_train_s", "time_rollout_wait_s"):
+        assert all(key in r for r in rows), key
+    assert rows[-1]["reward_mean"] > rows[0]["reward_mean"]
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run_dir / "metrics.png").stat().st_size > 10_000
+    assert "steps" in result.stderr and "reward=" in result.stderr, "a progress bar with the reward"
+    assert not processes_of(str(run_dir)), "no process of the run outlives it"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_every_trained_token_is_within_the_staleness_bound(tmp_path, staleness):
+    trial = f"stale{staleness}"
+    overrides = [f"run.trial={trial}", "run.max_steps=6", f"rollout.max_staleness={staleness}"]
+    overrides += ["eval.stop_at_accuracy=0", "eval.every_steps=0", "rollout.prompts_per_step=16"]
+    summary_of(run_job(tmp_path, *overrides))
+    rows = metrics_of(tmp_path / "default" / trial)
+    assert len(rows) == 6
+    # staleness of a token = the trainer's version at the step - the version that sampled it
+    assert max(r["staleness_max"] for r in rows) == staleness, rows
+    if staleness == 0:
+        assert all(r["staleness_mean"] == 0 and r["token_version_min"] == r["step"] - 1 for r in rows)
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_rank_fails_the_run_fast_and_leaves_nothing(tmp_path):
+    run_dir = tmp_path / "default" / "kill"
+    cmd = [sys.executable, "-m", "hpcrl.main", f"run.root={tmp_path}", "run.trial=kill", "run.max_steps=1000"]
+    cmd += ["eval.stop_at_accuracy=0"]
+    job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").exists() or len(metrics_of(run_dir)) < 2:
+            assert job.poll() is None, job.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the run did not reach step 2"
+            time.sleep(0.5)
+        victim = json.loads((run_dir / "registry" / "trainer-1.json").read_text())["pid"]
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        _, stderr = job.communicate(timeout=120)
+        took = time.monotonic() - killed
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode != 0
+    assert took < 60, f"the controller took {took:.0f} s to notice"
+    assert "trainer worker 1" in stderr, stderr[-3000:]
+    time.sleep(1)
+    assert not processes_of(str(run_dir)), "no process of the run may be left alive"
