@@ -41,6 +41,10 @@ def run(dcfg: DictConfig) -> None:
         cfg.cluster.kind,
         run_dir.path,
     )
+    if cfg.run.dry_run:
+        print(dump_config(cfg), end="")
+        log.info("run.dry_run=true: the config is valid and written to %s; nothing was started", run_dir.config_file)
+        return
     from hpcrl.controller.job import run_job
 
     try:

@@ -1,12 +1,16 @@
-"""``python -m hpcrl.main`` as a user runs it: a real process, the real conf/."""
+"""``python -m hpcrl.main`` as a user runs it: a real process, the real conf/.
+
+``run.dry_run=true`` validates, writes the run directory's config.yaml, prints the config and stops;
+the job itself is tested in tests/controller.
+"""
 
 import yaml
 
 from tests.conftest import run_main
 
 
-def test_default_job_prints_config_and_says_training_is_not_built(main_cli, tmp_path):
-    result = main_cli("run.trial=first")
+def test_dry_run_prints_and_writes_the_validated_config(main_cli, tmp_path):
+    result = main_cli("run.trial=first", "run.dry_run=true")
     assert result.returncode == 0, result.stderr
     printed = yaml.safe_load(result.stdout)
     assert printed["allocation"]["trainer"] == {
@@ -16,8 +20,7 @@ def test_default_job_prints_config_and_says_training_is_not_built(main_cli, tmp_
         "tp_size": 1,
         "nodes": 1,
     }
-    assert "training is not built yet" in result.stderr
-    assert "[controller:0]" in result.stderr
+    assert "nothing was started" in result.stderr and "[controller:0]" in result.stderr
     run_dir = tmp_path / "default" / "first"
     assert yaml.safe_load((run_dir / "config.yaml").read_text()) == printed
     assert (run_dir / "logs" / "controller-0.log").read_text().count("[controller:0]") >= 2
@@ -25,18 +28,25 @@ def test_default_job_prints_config_and_says_training_is_not_built(main_cli, tmp_
 
 
 def test_run_root_experiment_and_trial_set_the_run_directory(tmp_path):
-    result = run_main("run.experiment=exp", "run.trial=t7", f"run.root={tmp_path / 'elsewhere'}", cwd=tmp_path)
+    overrides = ["run.experiment=exp", "run.trial=t7", f"run.root={tmp_path / 'elsewhere'}", "run.dry_run=true"]
+    result = run_main(*overrides, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "elsewhere" / "exp" / "t7" / "config.yaml").is_file()
 
 
 def test_shorthand_on_the_command_line(main_cli):
-    result = main_cli("cluster=slurm", "allocation=sglang:d4t2+fsdp:d8", "run.trial=short")
+    result = main_cli("cluster=slurm", "allocation=sglang:d4t2+fsdp:d8", "run.trial=short", "run.dry_run=true")
     assert result.returncode == 0, result.stderr
     alloc = yaml.safe_load(result.stdout)["allocation"]
     assert alloc["spec"] == "sglang:d4t2+fsdp:d8"
     assert (alloc["server"]["backend"], alloc["server"]["workers"], alloc["server"]["tp_size"]) == ("sglang", 4, 2)
     assert (alloc["trainer"]["workers"], alloc["trainer"]["gpus_per_worker"]) == (8, 1)
+
+
+def test_slurm_cluster_is_refused_before_anything_starts_until_its_scheduler_exists(main_cli):
+    result = main_cli("cluster=slurm", "allocation=1node_8gpu", "run.trial=slurm")
+    assert result.returncode == 1
+    assert "the Slurm scheduler is not built yet" in result.stderr
 
 
 def test_cfg_job_prints_the_composed_config(main_cli):
@@ -56,7 +66,7 @@ def test_help_lists_the_groups_and_the_shorthand(main_cli):
 
 
 def test_multirun_with_the_basic_launcher_runs_the_job(main_cli, tmp_path):
-    result = main_cli("-m", "run.trial=swept")
+    result = main_cli("-m", "run.trial=swept", "run.dry_run=true")
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "default" / "swept" / "config.yaml").is_file()
 
@@ -64,6 +74,6 @@ def test_multirun_with_the_basic_launcher_runs_the_job(main_cli, tmp_path):
 def test_the_run_directory_config_loads_back_without_hydra(main_cli, tmp_path):
     from hpcrl.config.load import load_run_config
 
-    assert main_cli("run.trial=reload", "algorithm=dapo").returncode == 0
+    assert main_cli("run.trial=reload", "algorithm=dapo", "run.dry_run=true").returncode == 0
     cfg = load_run_config(tmp_path / "default" / "reload" / "config.yaml")
     assert cfg.algorithm.name == "dapo" and cfg.allocation.trainer.workers == 2 and cfg.run.trial == "reload"

@@ -22,6 +22,7 @@ class RunConfig:
     seed: int = 0  # seed for data order, sampling and model init
     max_steps: int = 200  # step budget: the run stops after this many train steps
     log_level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR
+    dry_run: bool = False  # validate, write the run directory's config.yaml, print the config, and stop
 
 
 @dataclass
@@ -37,9 +38,7 @@ class RoleAllocation:
 class AllocationConfig:
     spec: str = ""  # one-line shorthand, e.g. "sglang:d4t2+fsdp:d8"; when set it replaces server/trainer
     server: RoleAllocation = field(default_factory=lambda: RoleAllocation(backend="cpu"))  # inference servers
-    trainer: RoleAllocation = field(
-        default_factory=lambda: RoleAllocation(backend="fsdp", workers=2, gpus_per_worker=0)
-    )  # trainers (CPU ranks by default, like allocation=cpu_tiny)
+    trainer: RoleAllocation = field(default_factory=lambda: RoleAllocation(backend="fsdp", workers=2))  # trainers
 
     def roles(self) -> dict[str, RoleAllocation]:
         return {"server": self.server, "trainer": self.trainer}

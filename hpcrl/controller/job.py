@@ -41,6 +41,11 @@ log = logging.getLogger(__name__)
 def run_job(cfg: Config, run_dir: RunDir) -> dict[str, Any]:
     from hpcrl.data import load_splits
 
+    if cfg.cluster.kind != "local":
+        raise NotImplementedError(
+            f"cluster.kind={cfg.cluster.kind}: the Slurm scheduler is not built yet; run with cluster=local, "
+            "or check the config with run.dry_run=true"
+        )
     train, held_out = load_splits(cfg.dataset, cfg.run.seed)
     train_rows, eval_rows = list(train), list(held_out)
     model_path = prepare_model(cfg, run_dir, train_rows + eval_rows)

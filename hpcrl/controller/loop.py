@@ -130,7 +130,8 @@ class Loop:
         await sync.push(step)
         executor.set_version(step)
         t3 = time.monotonic()
-        metrics.update({k: statistics.fmean(r[k] for r in results) for k in ("loss", "grad_norm")})
+        trained = sorted({k for r in results for k in r} - {"step"})  # loss, grad_norm, clip_frac, kl, ...
+        metrics.update({k: statistics.fmean(r[k] for r in results if k in r) for k in trained})
         metrics.update(self.counters)
         metrics.update(
             groups_rejected=executor.rejected_total,

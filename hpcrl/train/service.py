@@ -36,9 +36,12 @@ from hpcrl.train.weight_push import join_weight_group, leave_weight_group, push_
 
 
 class TrainerService:
-    def __init__(self, engine: Engine, cfg: Config, rank: int):
-        self.engine, self.rank = engine, rank
+    """The handlers of one rank. ``reference`` is the frozen initial policy, kept when ``algorithm.kl_coef > 0``."""
+
+    def __init__(self, engine: Engine, cfg: Config, rank: int, reference: Engine | None = None):
+        self.engine, self.rank, self.reference = engine, rank, reference
         self.loss_fn = make_loss_fn(cfg.algorithm, cfg.rollout.max_new_tokens)
+        self.decoupled = cfg.algorithm.behavior_weight_cap > 0
         self.group = None  # rank 0's membership of the weight-update group, once joined
 
     def handlers(self) -> dict:
@@ -63,7 +66,18 @@ class TrainerService:
         return TrainerState(self.rank, self.engine.step)
 
     def train_step(self, msg: TrainStep) -> TrainStepResult:
+        """One optimizer step; first the logprobs the objective needs that the controller does not have.
+
+        The reference policy's (KL penalty) and, for the decoupled objective, the proximal policy's: this
+        policy before the update. Both are collective, like the step.
+        """
         sequences = [Sequence(**asdict(s)) for s in msg.sequences]
+        if self.reference is not None:
+            for seq, lp in zip(sequences, self.reference.sequence_logprobs(sequences, msg.temperature), strict=True):
+                seq.ref_logprobs = lp
+        if self.decoupled:
+            for seq, lp in zip(sequences, self.engine.sequence_logprobs(sequences, msg.temperature), strict=True):
+                seq.prox_logprobs = lp
         return TrainStepResult(self.engine.train_step(sequences, self.loss_fn, msg.temperature))
 
     def compute_logprobs(self, msg: ComputeLogprobs) -> LogprobsResult:

@@ -52,11 +52,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine = Engine(cfg.model.path, cfg.train, cfg.model.dtype, info, total_steps=cfg.run.max_steps)
         engine.setup()
+        reference = None
+        if cfg.algorithm.kl_coef > 0:  # the frozen initial policy of the KL penalty, sharded like the policy
+            reference = Engine(cfg.model.path, cfg.train, cfg.model.dtype, info, total_steps=cfg.run.max_steps)
+            reference.setup()
         advertised, bind = worker_addresses(cfg.cluster.net)
         port = worker_ports(port_range(cfg.cluster.net)).allocate(1)[0]
         on_gpu = info.device.type == "cuda"
         server = RpcServer(
-            TrainerService(engine, cfg, rank).handlers(),
+            TrainerService(engine, cfg, rank, reference).handlers(),
             read_token(run_dir.path),
             rank,
             host=bind,

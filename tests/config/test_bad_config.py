@@ -98,7 +98,7 @@ def test_multirun_fails_before_the_launcher_submits(main_cli, tmp_path):
         (["train.lr=0"], "train.lr", "a number > 0"),
         (["train.weight_sync=nfs"], "train.weight_sync", "one of disk, distributed"),
         (["model=local"], "model.path", "a local model directory"),
-        (["model.tiny.num_heads=3"], "model.tiny.num_heads", "a divisor of hidden_size=64"),
+        (["model.tiny.num_heads=3"], "model.tiny.num_heads", "a divisor of hidden_size=128"),
         (["dataset=files"], "dataset.train_files", "files for name=files"),
         (["run.trial=a/b"], "run.trial", "without '/'"),
         (["run.max_steps=0"], "run.max_steps", "an integer >= 1"),

@@ -29,6 +29,7 @@ class ServerProc:
     """A real ``python -m hpcrl.rollout.server`` child process and plain-HTTP helpers for tests."""
 
     def __init__(self, model, log_file, host="127.0.0.1", *extra: str):
+        self.model = model
         self.port = free_port()
         self.address = format_hostport(host, self.port)
         self.url = f"http://{self.address}"
@@ -84,6 +85,15 @@ def _decode(raw: bytes) -> object:
 def server(tiny_model, tmp_path_factory):
     """One server for a module's tests that leave its weights alone."""
     proc = ServerProc(tiny_model, tmp_path_factory.mktemp("server") / "server.log")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def long_server(tmp_path_factory):
+    """A server of a tiny model with room for thousands of new tokens, for tests that interrupt requests."""
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny-long"), max_positions=8192)
+    proc = ServerProc(model, tmp_path_factory.mktemp("long-server") / "server.log")
     yield proc
     proc.stop()
 

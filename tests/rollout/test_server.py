@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hpcrl.rollout.weight_group import open_weight_group, send_tensors
 
+LONG = 6000  # new tokens no server here can produce in the second before a test interrupts them
 PROMPTS = ["3+4=", "12+7=", "hello", "9+9=", "a", "0+0=", "The cat", "5+"]
 
 
@@ -141,20 +142,21 @@ def test_update_weights_over_a_gloo_group(fresh_server, tiny_model_b):
     assert server.post("/destroy_weights_update_group", {"group_name": "weight_update_group"})[0] == 200
 
 
-def test_pause_abort_ends_in_flight_requests_and_continue_resumes(server):
-    long = {"text": "1+1=", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+def test_pause_abort_ends_in_flight_requests_and_continue_resumes(long_server):
+    server = long_server
+    long = {"text": "1+1=", "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}
     results = []
     threads = [threading.Thread(target=lambda: results.append(server.post("/generate", long))) for _ in range(4)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
+    time.sleep(0.5)
     assert server.post("/pause_generation", {"mode": "abort"})[0] == 200
     for t in threads:
         t.join(60)
     assert len(results) == 4
     for status, answer in results:
         assert status == 200 and answer["meta_info"]["finish_reason"]["type"] == "abort"
-        assert len(answer["output_ids"]) < 400
+        assert len(answer["output_ids"]) < LONG
     assert server.post("/continue_generation")[0] == 200
     status, answer = server.post(
         "/generate", {"text": "1+1=", "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}
@@ -162,8 +164,9 @@ def test_pause_abort_ends_in_flight_requests_and_continue_resumes(server):
     assert status == 200 and answer["meta_info"]["finish_reason"]["type"] == "length"
 
 
-def test_pause_in_place_holds_requests_until_continue(server):
-    body = {"text": "1+1=", "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
+def test_pause_in_place_holds_requests_until_continue(long_server):
+    server = long_server
+    body = {"text": "1+1=", "sampling_params": {"max_new_tokens": 2500, "ignore_eos": True}}
     result = {}
     thread = threading.Thread(target=lambda: result.update(r=server.post("/generate", body)))
     thread.start()
@@ -174,11 +177,12 @@ def test_pause_in_place_holds_requests_until_continue(server):
     server.post("/continue_generation")
     thread.join(60)
     status, answer = result["r"]
-    assert status == 200 and answer["meta_info"]["finish_reason"] == {"type": "length", "length": 300}
+    assert status == 200 and answer["meta_info"]["finish_reason"] == {"type": "length", "length": 2500}
 
 
-def test_abort_request_by_rid(server):
-    body = {"text": "1+1=", "rid": "victim", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+def test_abort_request_by_rid(long_server):
+    server = long_server
+    body = {"text": "1+1=", "rid": "victim", "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}
     result = {}
     thread = threading.Thread(target=lambda: result.update(r=server.post("/generate", body)))
     thread.start()
@@ -197,10 +201,11 @@ def test_health_model_info_and_flush(server, tiny_model):
     assert server.post("/flush_cache")[0] == 200
 
 
-def test_requests_joining_a_running_batch_decode_exactly(server, tiny_model):
+def test_requests_joining_a_running_batch_decode_exactly(long_server):
     """Continuous batching: rows that join mid-batch (KV cache padded and merged) give the same tokens."""
-    model, tok = _reference(tiny_model)
-    long = {"text": "1+1=", "sampling_params": {"max_new_tokens": 480, "ignore_eos": True, "temperature": 0}}
+    server = long_server
+    model, tok = _reference(server.model)
+    long = {"text": "1+1=", "rid": "runner", "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}
     result = {}
     runner = threading.Thread(target=lambda: result.update(r=server.post("/generate", long)))
     runner.start()
@@ -208,7 +213,8 @@ def test_requests_joining_a_running_batch_decode_exactly(server, tiny_model):
     joiners = ["7+8=", "The quick brown fox", "42", "x"]
     answers = server.generate_many([_greedy_body(tok, p, 20) for p in joiners])
     assert runner.is_alive(), "the long request must still run, so the joiners were merged into its batch"
+    server.post("/abort_request", {"rid": "runner"})
     runner.join(120)
     for prompt, answer in zip(joiners, answers, strict=True):
         assert answer["output_ids"] == _greedy_ids(model, tok, prompt, 20), prompt
-    assert len(result["r"][1]["output_ids"]) == 480
+    assert result["r"][1]["meta_info"]["finish_reason"]["type"] == "abort"

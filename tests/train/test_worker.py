@@ -35,6 +35,7 @@ def trainer_run(tmp_path, tiny_model):
     cfg = Config()
     cfg.model.path = str(tiny_model)
     cfg.model.source = "local"
+    cfg.allocation.trainer.gpus_per_worker = 0  # CPU ranks (gloo), as allocation=cpu_tiny has it
     run_dir = RunDir.create(tmp_path, "exp", "t")
     run_dir.write_config(dump_config(cfg))
     token = create_token(run_dir.path)
