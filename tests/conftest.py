@@ -1,4 +1,5 @@
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -38,3 +39,27 @@ def tiny_model(tmp_path_factory):
     from hpcrl.models.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=0)
+
+
+def run_torchrun(argv: list[str], timeout_s: float, describe: str = "torchrun") -> str:
+    """Run ``argv`` (a torchrun command) to completion in its own session; its output, or a test failure.
+
+    In its own session, so that on a timeout the whole group (torchrun and its ranks) is killed at once.
+    """
+    proc = subprocess.Popen(
+        argv,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{describe} hung for {timeout_s} s:\n{output[-6000:]}")
+    assert proc.returncode == 0, f"{describe} failed:\n{output[-6000:]}"
+    return output

@@ -97,30 +97,25 @@ async def _drive(cfg, run_dir, workers, addresses, token, scheduler, train_rows,
 
 
 def server_spec(cfg: Config) -> RoleSpec:
-    a, res = cfg.allocation.server, cfg.cluster.roles["server"]
-    return RoleSpec(
-        "server",
-        [sys.executable, "-m", "hpcrl.rollout.worker"],
-        workers=a.workers,
-        nodes=a.nodes,
-        gpus_per_worker=a.gpus_per_worker or 0,
-        cpus_per_worker=res.cpus_per_worker,
-        env={**cfg.cluster.env, **res.env},
-        setup_timeout_s=res.setup_timeout_s,
-    )
+    return _role_spec(cfg, "server", "hpcrl.rollout.worker")
 
 
 def trainer_spec(cfg: Config) -> RoleSpec:
-    a, res = cfg.allocation.trainer, cfg.cluster.roles["trainer"]
+    # one torchrun per node; a thread per rank is all 2-core CI machines and CPU ranks can use
+    return _role_spec(cfg, "trainer", "hpcrl.train.worker", torchrun=True, env={"OMP_NUM_THREADS": "1"})
+
+
+def _role_spec(cfg: Config, role: str, module: str, torchrun: bool = False, env: dict | None = None) -> RoleSpec:
+    alloc, res = getattr(cfg.allocation, role), cfg.cluster.roles[role]
     return RoleSpec(
-        "trainer",
-        [sys.executable, "-m", "hpcrl.train.worker"],
-        workers=a.workers,
-        nodes=a.nodes,
-        gpus_per_worker=a.gpus_per_worker or 0,
+        role,
+        [sys.executable, "-m", module],
+        workers=alloc.workers,
+        nodes=alloc.nodes,
+        gpus_per_worker=alloc.gpus_per_worker or 0,
         cpus_per_worker=res.cpus_per_worker,
-        torchrun=True,
-        env={"OMP_NUM_THREADS": "1", **cfg.cluster.env, **res.env},
+        torchrun=torchrun,
+        env={**(env or {}), **cfg.cluster.env, **res.env},
         setup_timeout_s=res.setup_timeout_s,
     )
 

@@ -5,9 +5,6 @@ train, 2 ranks train, 2 ranks resume) are shared by every test here and take abo
 """
 
 import json
-import os
-import signal
-import subprocess
 import sys
 
 import pytest
@@ -15,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from hpcrl.models.tiny import make_tiny_model
-from tests.conftest import REPO
+from tests.conftest import REPO, run_torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -26,24 +23,7 @@ TOLERANCE = 1e-5
 
 def _torchrun(nproc: int, *args: str) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # own session: on a timeout the ranks die with torchrun instead of lingering
-    proc = subprocess.Popen(
-        [*cmd, str(SCRIPT), *args],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"torchrun {args} on {nproc} rank(s) hung for {TIMEOUT_S} s:\n{output[-6000:]}")
-    assert proc.returncode == 0, f"torchrun {args} on {nproc} rank(s) failed:\n{output[-6000:]}"
+    run_torchrun([*cmd, str(SCRIPT), *args], TIMEOUT_S, f"torchrun {args} on {nproc} rank(s)")
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,6 @@ Server start and the torchrun launch take about 20 s together on 2 CPU cores, so
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
 import sys
 
 import pytest
@@ -24,7 +21,7 @@ from hpcrl.rollout.serve import start_server, stop_servers, wait_ready
 from hpcrl.train.dist import init_distributed
 from hpcrl.train.engine import Engine
 from hpcrl.train.weight_push import join_weight_group, push_over_group, weight_specs
-from tests.conftest import REPO
+from tests.conftest import REPO, run_torchrun
 from tests.rollout.conftest import free_port
 
 SCRIPT = REPO / "tests" / "train" / "scripts" / "push_weights.py"
@@ -118,24 +115,11 @@ def pushed(tiny_model, server, tmp_path_factory):
     out = tmp_path_factory.mktemp("push")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT)]
     args = [str(tiny_model), server.address, str(free_port()), str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # own session: on a timeout the ranks die with torchrun instead of lingering
-    proc = subprocess.Popen(
-        [*cmd, *args],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
     try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"push_weights.py hung for {TIMEOUT_S} s:\n{output[-6000:]}\n{server.child.log_tail()}")
-    assert proc.returncode == 0, f"push_weights.py failed:\n{output[-6000:]}\nserver:\n{server.child.log_tail()}"
+        run_torchrun([*cmd, *args], TIMEOUT_S, "push_weights.py")
+    except BaseException:
+        print(f"server log:\n{server.child.log_tail()}")
+        raise
     return [json.loads((out / f"result_rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
