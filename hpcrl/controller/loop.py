@@ -1,4 +1,4 @@
-"""One RL run's loop: rollout -> train step -> weight sync -> eval -> metrics, until the budget or the target.
+"""One RL run's loop: rollout -> train step -> weight sync -> eval -> checkpoint -> metrics, to the budget or target.
 
 Waits: the loop waits on the rollout executor for a batch of accepted groups, then on the trainers
 (every rank, one RPC each), then on the weight sync (servers paused, weights pushed, resumed). A
@@ -100,6 +100,8 @@ class Loop:
                 metrics = await self._step(step, executor, sync)
                 if self._eval_due(step):
                     accuracy = metrics["eval_accuracy"] = await self.evaluate()
+                if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
+                    metrics["time_checkpoint_s"] = await self._checkpoint(step)
                 metrics_log.log(step, metrics)
                 self.progress(step, metrics)
                 if cfg.eval.stop_at_accuracy and "eval_accuracy" in metrics and accuracy >= cfg.eval.stop_at_accuracy:
@@ -180,6 +182,12 @@ class Loop:
             self.counters["groups_equal_reward"] += 1
             return False
         return True
+
+    async def _checkpoint(self, step: int) -> float:
+        """The trainers' sharded state (model, optimizer, LR schedule, step), written beside and renamed."""
+        start = time.monotonic()
+        await self.w.trainers.save_checkpoint(self.run_dir.checkpoints / f"step_{step:06d}")
+        return round(time.monotonic() - start, 4)
 
     def _eval_due(self, step: int) -> bool:
         every = self.cfg.eval.every_steps

@@ -13,6 +13,7 @@ from hpcrl.rpc.messages import (
     ExportWeights,
     JoinWeightGroup,
     PushWeights,
+    SaveCheckpoint,
     SequenceData,
     TrainStep,
     WeightSpecsRequest,
@@ -41,6 +42,9 @@ class Trainers:
 
     async def export(self, path) -> None:
         await self.rpc.broadcast("export_weights", ExportWeights(str(path)))
+
+    async def save_checkpoint(self, path) -> None:
+        await self.rpc.broadcast("save_checkpoint", SaveCheckpoint(str(path)))
 
     async def join_weight_group(self, master_address: str, master_port: int, world_size: int) -> None:
         request = JoinWeightGroup(master_address, master_port, world_size, "weight_update_group", self.weights_backend)

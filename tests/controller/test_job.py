@@ -105,7 +105,7 @@ def test_a_killed_trainer_rank_fails_the_run_fast_and_leaves_nothing(tmp_path):
     ("overrides", "metric"),
     [
         (["algorithm=ppo"], "kl"),  # a KL penalty to the frozen reference policy
-        (["algorithm=dapo"], "clip_frac"),
+        (["algorithm=dapo", "checkpoint.every_steps=2"], "clip_frac"),
         (["algorithm=dr_grpo", "train.weight_sync=distributed"], "clip_frac"),
         (["algorithm.behavior_weight_cap=5", "rollout.max_staleness=1"], "behavior_weight_mean"),
     ],
@@ -118,3 +118,7 @@ def test_every_algorithm_runs_end_to_end(tmp_path, overrides, metric):
     assert summary["steps"] == 3
     rows = metrics_of(tmp_path / "default" / trial)
     assert all(metric in r for r in rows), rows[0]
+    if "checkpoint.every_steps=2" in overrides:
+        checkpoints = tmp_path / "default" / trial / "checkpoints"
+        assert [p.name for p in checkpoints.iterdir()] == ["step_000002"]
+        assert (checkpoints / "step_000002" / "trainer_state.json").is_file()
