@@ -1,0 +1,101 @@
+"""The test Slurm (slurm/dev-cluster.sh) does what hpcrl's Slurm tests rely on: nodes, batch jobs, accounting,
+heterogeneous jobs, submitit, cancellation."""
+
+import os
+import socket
+import subprocess
+import time
+
+import pytest
+
+from tests.slurm.conftest import sacct, sbatch, wait_for_job, wait_for_state
+
+pytestmark = pytest.mark.slurm
+
+
+def test_sinfo_shows_two_idle_nodes(slurm_cluster):
+    result = subprocess.run(
+        ["sinfo", "-h", "-N", "-p", slurm_cluster.partition, "-o", "%N %t"],
+        capture_output=True,
+        text=True,
+        timeout=15,
+        check=True,
+    )
+    idle = [line.split()[0] for line in result.stdout.splitlines() if line.split()[1:] == ["idle"]]
+    assert len(idle) >= 2, result.stdout
+    for node in idle:
+        socket.gethostbyname(node)  # node names must resolve: submitit and torchrun use them as addresses
+
+
+def test_batch_job_completes_in_sacct(slurm_cluster, job_prefix, tmp_path):
+    name = f"{job_prefix}batch"
+    job_id = sbatch("#!/bin/bash\necho hello from $SLURMD_NODENAME\n", name=name, workdir=tmp_path)
+    rows = wait_for_job(job_id)
+    assert rows[job_id]["State"] == "COMPLETED", rows
+    assert rows[job_id]["ExitCode"] == "0:0", rows
+    node = (tmp_path / f"{name}.out").read_text().split()[-1]
+    assert node in slurm_cluster.nodes
+
+
+def test_heterogeneous_job_runs_on_two_nodes(slurm_cluster, job_prefix, tmp_path):
+    name = f"{job_prefix}het"
+    script = """#!/bin/bash
+#SBATCH --nodes=1
+#SBATCH --ntasks=1
+#SBATCH --cpus-per-task=1
+#SBATCH hetjob
+#SBATCH --nodes=1
+#SBATCH --ntasks=1
+#SBATCH --cpus-per-task=1
+srun --het-group=0,1 hostname
+srun --het-group=0,1 bash -c 'echo "node $SLURM_HET_JOB_ID+$SLURM_HET_JOB_OFFSET $SLURMD_NODENAME"'
+"""
+    job_id = sbatch(script, name=name, workdir=tmp_path)
+    rows = wait_for_job(job_id, components=2)
+    for component in (f"{job_id}+0", f"{job_id}+1"):
+        assert rows[component]["State"] == "COMPLETED", rows
+        assert rows[component]["ExitCode"] == "0:0", rows
+    assert rows[f"{job_id}+0"]["NodeList"] != rows[f"{job_id}+1"]["NodeList"], rows
+    lines = (tmp_path / f"{name}.out").read_text().splitlines()
+    assert len([line for line in lines if not line.startswith("node ")]) == 2, lines  # hostname, once per component
+    nodes = {line.split()[-1] for line in lines if line.startswith("node ")}
+    assert len(nodes) == 2 and nodes <= set(slurm_cluster.nodes), lines
+
+
+def test_submitit_job_returns_its_result(slurm_cluster, job_prefix, tmp_path):
+    submitit = pytest.importorskip("submitit")
+
+    def where_am_i(a: int, b: int) -> tuple[int, str | None, str | None]:
+        # defined here, so that it travels by value: the job need not import this test module
+        return a + b, os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURMD_NODENAME")
+
+    executor = submitit.AutoExecutor(folder=tmp_path, cluster="slurm")
+    executor.update_parameters(
+        name=f"{job_prefix}submitit",
+        timeout_min=2,  # not 1: submitit signals the job 90 s before its time limit
+        slurm_partition=slurm_cluster.partition,
+        cpus_per_task=1,
+        mem_gb=1,
+    )
+    job = executor.submit(where_am_i, 2, 3)
+    deadline = time.monotonic() + 60
+    while not job.done():
+        if time.monotonic() > deadline:
+            job.cancel()
+            pytest.fail(f"submitit job {job.job_id} not done after 60 s (state {job.state})")
+        time.sleep(0.5)
+    total, slurm_job_id, node = job.result()
+    assert (total, slurm_job_id) == (5, job.job_id)
+    assert node in slurm_cluster.nodes
+    # the result is there a moment before the job ends in Slurm: wait for that too
+    rows = wait_for_job(job.job_id)
+    assert rows[job.job_id]["State"] == "COMPLETED", rows
+
+
+def test_cancelled_job_is_cancelled_in_sacct(slurm_cluster, job_prefix, tmp_path):
+    job_id = sbatch("#!/bin/bash\nsleep 300\n", name=f"{job_prefix}cancel", workdir=tmp_path, args=("--time=5",))
+    wait_for_state(job_id, "RUNNING")
+    subprocess.run(["scancel", job_id], check=True, timeout=15)
+    rows = wait_for_job(job_id, timeout_s=30)
+    assert rows[job_id]["State"].split()[0] == "CANCELLED", rows
+    assert sacct(job_id)[job_id]["State"].startswith("CANCELLED")
