@@ -7,6 +7,7 @@ of a multirun (``-m``), so a bad config fails before any Slurm job is submitted.
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any, NoReturn
 
@@ -20,6 +21,21 @@ from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import Config
 
 SCHEMA_NAME = "hpcrl_schema"
+
+
+def _first_set(*values: Any) -> Any:
+    """The first value that is set ("" and 0 mean "unset" in hpcrl's config, e.g. cluster.controller.time_min)."""
+    return next((v for v in values if v not in ("", 0, None)), None)
+
+
+def _whole_gib(gb: Any) -> int | None:
+    """Memory in whole GiB for Slurm (it refuses --mem=2.0G); 0 = the scheduler's default (None)."""
+    return math.ceil(float(gb)) if float(gb) > 0 else None
+
+
+# for conf/hydra/launcher: registered on import, which the submitting process and the job both do
+OmegaConf.register_new_resolver("hpcrl.first", _first_set, replace=True)
+OmegaConf.register_new_resolver("hpcrl.gib", _whole_gib, replace=True)
 
 
 def register_schema() -> None:

@@ -1,0 +1,256 @@
+"""The controller job: ``python -m hpcrl.main -m hydra/launcher=submitit_slurm cluster=SITE ...`` runs the
+controller itself as one Slurm job, with the partition, time limit and CPUs of the cluster group's
+``controller`` (conf/hydra/launcher/submitit_slurm.yaml); with ``hydra/launcher=submitit_local`` the same
+command runs it on this machine. The submitting command waits for the job and exits with its outcome.
+
+The run directory is the same in the submitting process and in the job: the launcher makes it (the sweep
+directory, conf/config.yaml) and keeps the job's stdout and stderr in its ``.submitit/<job id>/``.
+
+Until the Slurm scheduler exists, cluster=slurm_local runs with run.dry_run=true, and the whole tiny job
+runs inside the controller job with cluster=local (its workers are subprocesses in that job).
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+
+from hpcrl.config.hydra import register_schema
+from tests.config.compose import load
+from tests.conftest import CONF_DIR
+from tests.slurm.conftest import wait_for_job
+
+# a few steps of the tiny job: enough for a summary with evaluations before and after
+TINY_JOB = ("run.max_steps=3", "eval.stop_at_accuracy=0", "rollout.prompts_per_step=16")
+SUMMARY_KEYS = {"steps", "wall_s", "eval_accuracy_before", "eval_accuracy_after", "run_dir"}
+DRY_RUN_TIMEOUT_S = 120
+TINY_JOB_TIMEOUT_S = 420
+
+
+def submit(tmp_path: Path, *overrides: str, timeout_s: float) -> subprocess.CompletedProcess:
+    """``python -m hpcrl.main -m OVERRIDES run.root=TMP_PATH``, which returns when its job has ended.
+
+    In its own session, so that on the deadline the whole process group goes; a job it left in Slurm is
+    cancelled by ``no_leftover_jobs``.
+    """
+    cmd = [sys.executable, "-m", "hpcrl.main", "-m", *overrides, f"run.root={tmp_path}"]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env={**os.environ, "HYDRA_FULL_ERROR": "0"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} has not ended after {timeout_s} s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def experiment(job_prefix: str) -> str:
+    """A run.experiment whose controller job (``hpcrl-<experiment>``) is named with the test's job prefix."""
+    return job_prefix.removeprefix("hpcrl-") + "ctl"
+
+
+def job_folder(run_dir: Path) -> Path:
+    """``<run dir>/.submitit/<job id>``: the controller job's pickles and logs."""
+    # submitit also makes a folder named after its pattern (%j), which stays empty
+    folders = [p for p in (run_dir / ".submitit").iterdir() if p.is_dir() and p.name != "%j"]
+    assert len(folders) == 1, folders
+    return folders[0]
+
+
+def job_stdout(folder: Path) -> str:
+    """What the job printed on stdout, without submitit's own log lines (``submitit INFO (...) - ...``)."""
+    (log,) = folder.glob("*_0_log.out")
+    return "".join(line for line in log.read_text().splitlines(True) if not line.startswith("submitit "))
+
+
+def summary_in(stdout: str) -> dict:
+    """The job's summary: the JSON object on the last line of its stdout."""
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert set(summary) >= SUMMARY_KEYS, summary
+    return summary
+
+
+def sacct_allocation(job_id: str, fields: list[str], timeout_s: float = 15) -> dict[str, str]:
+    """sacct's FIELDS of JOB_ID's allocation (no steps), once its accounting record is complete.
+
+    For a moment after a job ends, sacct may still show its allocation as JobName "allocation".
+    """
+    fields = ["JobName", *fields]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = subprocess.run(
+            ["sacct", "-j", job_id, "-X", "-n", "-P", "-o", ",".join(fields)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+        (line,) = result.stdout.splitlines()
+        row = dict(zip(fields, line.split("|"), strict=True))
+        if row["JobName"] != "allocation" or time.monotonic() > deadline:
+            return row
+        time.sleep(0.5)
+
+
+def launcher_config(*overrides: str) -> dict:
+    """The composed ``hydra.launcher``, resolved."""
+    register_schema()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+        return {key: cfg.hydra.launcher[key] for key in cfg.hydra.launcher}
+
+
+def test_the_cluster_group_sizes_the_controller_job():
+    site = load("cluster=slurm").cluster
+    launcher = launcher_config("hydra/launcher=submitit_slurm", "cluster=slurm", "run.experiment=exp")
+    assert launcher["name"] == "hpcrl-exp"
+    assert launcher["partition"] == site.partition == "gpu"  # controller.partition "" = the cluster's
+    assert launcher["timeout_min"] == site.time_min == 240  # controller.time_min follows the cluster's
+    assert launcher["cpus_per_task"] == site.controller.cpus == 4
+    assert launcher["mem_gb"] == site.controller.mem_gb == 16
+    assert 2 <= launcher["signal_delay_s"] <= 120, "submitit signals the job this long before its time limit"
+    assert launcher["submitit_folder"].endswith("/.submitit/%j")
+
+    launcher = launcher_config(
+        "hydra/launcher=submitit_slurm",
+        "cluster=slurm_local",
+        "cluster.controller.partition=cpu",
+        "cluster.controller.time_min=30",
+        "cluster.controller.cpus=2",
+    )
+    assert (launcher["partition"], launcher["timeout_min"], launcher["cpus_per_task"]) == ("cpu", 30, 2)
+
+
+def test_other_launchers_ignore_the_controller_job_settings():
+    assert set(launcher_config("cluster=slurm")) == {"_target_"}  # the basic launcher: this process
+    local = launcher_config("hydra/launcher=submitit_local", "cluster=slurm")
+    assert local["_target_"].endswith(".LocalLauncher") and "partition" not in local
+
+
+def test_the_sweep_directory_is_the_run_directory(tmp_path):
+    register_schema()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(
+            config_name="config",
+            overrides=["hydra/launcher=submitit_slurm", f"run.root={tmp_path}", "run.experiment=exp"],
+            return_hydra_config=True,
+        )
+        sweep = cfg.hydra.sweep
+        assert Path(sweep.dir, sweep.subdir) == tmp_path / "exp" / cfg.run.trial
+        assert re.fullmatch(r"\d{8}-\d{6}", cfg.run.trial)
+
+
+@pytest.mark.slurm
+def test_dry_run_as_a_slurm_job_with_the_cluster_groups_resources(slurm_cluster, job_prefix, tmp_path):
+    exp = experiment(job_prefix)
+    overrides = ["cluster=slurm_local", f"cluster.partition={slurm_cluster.partition}", f"run.experiment={exp}"]
+    started = time.monotonic()
+    result = submit(
+        tmp_path, "hydra/launcher=submitit_slurm", *overrides, "run.dry_run=true", timeout_s=DRY_RUN_TIMEOUT_S
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    print(f"dry run as a Slurm job: {time.monotonic() - started:.1f} s")
+
+    # one run directory, named by the timestamp run.trial got in the submitting process: the job used it too
+    (run_dir,) = (tmp_path / exp).iterdir()
+    assert re.fullmatch(r"\d{8}-\d{6}", run_dir.name), run_dir
+    written = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert written["run"]["trial"] == run_dir.name and written["cluster"]["name"] == "slurm_local"
+    folder = job_folder(run_dir)
+    assert yaml.safe_load(job_stdout(folder)) == written, "a dry run prints the config it writes"
+
+    job_id = folder.name
+    rows = wait_for_job(job_id)
+    assert rows[job_id]["State"] == "COMPLETED", rows
+    cluster = load(*overrides).cluster
+    hours, minutes = divmod(cluster.controller.time_min or cluster.time_min, 60)
+    allocation = sacct_allocation(job_id, ["Partition", "ReqCPUS", "Timelimit"])
+    assert allocation == {
+        "JobName": f"hpcrl-{exp}",
+        "Partition": cluster.controller.partition or cluster.partition,
+        "ReqCPUS": str(cluster.controller.cpus),
+        "Timelimit": f"{hours:02d}:{minutes:02d}:00",
+    }
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_tiny_job_runs_inside_the_slurm_controller_job(slurm_cluster, job_prefix, tmp_path):
+    exp = experiment(job_prefix)
+    started = time.monotonic()
+    result = submit(
+        tmp_path,
+        "hydra/launcher=submitit_slurm",
+        "cluster=local",
+        f"cluster.controller.partition={slurm_cluster.partition}",
+        "cluster.controller.time_min=10",
+        f"run.experiment={exp}",
+        "run.trial=tiny",
+        *TINY_JOB,
+        timeout_s=TINY_JOB_TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    print(f"tiny job as a Slurm job: {time.monotonic() - started:.1f} s")
+    run_dir = tmp_path / exp / "tiny"
+    folder = job_folder(run_dir)
+    summary = summary_in(job_stdout(folder))
+    assert summary["steps"] == 3 and summary["run_dir"] == str(run_dir), summary
+    assert (run_dir / "metrics.jsonl").is_file()
+    rows = wait_for_job(folder.name)
+    assert rows[folder.name]["State"] == "COMPLETED" and rows[folder.name]["ExitCode"] == "0:0", rows
+
+
+@pytest.mark.slow
+def test_tiny_job_runs_as_a_local_controller_job(tmp_path):
+    started = time.monotonic()
+    result = submit(
+        tmp_path, "hydra/launcher=submitit_local", "run.trial=tiny", *TINY_JOB, timeout_s=TINY_JOB_TIMEOUT_S
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    print(f"tiny job as a local job: {time.monotonic() - started:.1f} s")
+    run_dir = tmp_path / "default" / "tiny"
+    summary = summary_in(job_stdout(job_folder(run_dir)))
+    assert summary["steps"] == 3 and summary["run_dir"] == str(run_dir), summary
+
+
+@pytest.mark.parametrize("launcher", ["submitit_local", pytest.param("submitit_slurm", marks=pytest.mark.slurm)])
+def test_a_failing_controller_job_fails_the_command_with_its_error(request, launcher, job_prefix, tmp_path):
+    if launcher == "submitit_slurm":
+        partition = request.getfixturevalue("slurm_cluster").partition
+        where = [f"cluster.controller.partition={partition}", "cluster.controller.time_min=5"]
+    else:
+        where = []
+    exp = experiment(job_prefix)
+    missing = tmp_path / "missing.jsonl"  # checked when the job loads the data, not before it is submitted
+    result = submit(
+        tmp_path,
+        f"hydra/launcher={launcher}",
+        *where,
+        f"run.experiment={exp}",
+        "run.trial=fail",
+        "dataset=files",
+        f"dataset.train_files=[{missing}]",
+        timeout_s=DRY_RUN_TIMEOUT_S,
+    )
+    assert result.returncode != 0
+    assert f"hpcrl: the run failed (DataError): {missing}: does not exist" in result.stderr, result.stderr[-4000:]
+    folder = job_folder(tmp_path / exp / "fail")
+    if launcher == "submitit_slurm":
+        rows = wait_for_job(folder.name)
+        assert rows[folder.name]["State"] == "FAILED", rows
