@@ -1,0 +1,312 @@
+"""``SlurmScheduler``: worker groups as Slurm jobs, one per role or one heterogeneous job for several.
+
+    with SlurmScheduler(run_dir, slots, cluster) as scheduler:      # cluster: ClusterConfig (kind=slurm)
+        servers, trainers = scheduler.start_all([server_spec, trainer_spec])  # cluster.submit_mode decides
+        entries = servers.wait_ready() + trainers.wait_ready()
+    # leaving the block (normally, by an exception, Ctrl-C or SIGTERM) scancels every job it submitted, by id
+
+``start(spec)`` submits one job for one role through submitit's ``SlurmExecutor`` (folder
+``<run_dir>/slurm``). ``start_all(specs)`` does that for each spec in ``per_role`` mode, and submits one
+heterogeneous job with a component per spec in ``hetjob`` mode (``hetjob.py``). Either way each task
+runs a pickled ``WorkerTask`` (``task.py``) that becomes the worker; workers register in the run
+directory's registry, which ``wait_ready`` reads.
+
+Failures: ``check_alive`` reads the job's (or component's) state from squeue and sacct through the
+scheduler's one ``JobWatcher`` (cached, every call with a timeout) and raises
+``WorkerFailed(role, "job <id>", state, log tail)`` once it has ended in any way: FAILED, CANCELLED,
+TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, PREEMPTED, or COMPLETED while still needed. The log tail is the
+failing worker's own log (the rank srun or torchrun names, else the role's newest log), then the ends of
+the job's output files in the submitit folder (srun's and torchrun's messages, tracebacks of a task that
+failed before it became the worker).
+
+Cleanup: ``stop()`` scancels the group's job by id (a hetjob component's group: the whole heterogeneous
+job, whose roles share one fate) and waits, up to ``stop_timeout_s``, until squeue no longer lists it.
+The scheduler is a context manager that turns SIGTERM and SIGINT into exceptions while it is active
+(as ``LocalScheduler`` does) and scancels every job it submitted on the way out. A job id is recorded
+in the same signal-free step as its sbatch, so no job escapes between submission and bookkeeping.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import re
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import submitit
+from submitit.core.utils import DelayedSubmission
+
+from hpcrl.config.schema import ClusterConfig
+from hpcrl.launch.base import RoleSpec, Scheduler, WorkerFailed, WorkerGroup, worker_env
+from hpcrl.launch.process import ChildGroup, _signals_held, read_tail
+from hpcrl.launch.registry import Entry, Registry
+from hpcrl.launch.slots import PortSlots
+from hpcrl.launch.slurm.hetjob import HetComponent, render_hetjob_script, submit_script
+from hpcrl.launch.slurm.resources import role_resources, role_settings, submitit_parameters
+from hpcrl.launch.slurm.task import WorkerTask
+from hpcrl.launch.slurm.watch import JobRef, JobState, JobWatcher, cancel, wait_gone
+from hpcrl.rundir import RunDir
+
+log = logging.getLogger(__name__)
+
+LOG_LINES = 40  # lines of the failing worker's log a WorkerFailed carries
+JOB_LOG_LINES = 10  # lines of each of the job's own output files it carries
+SUBMIT_MODES = ("hetjob", "per_role")
+# srun's report of a task that failed, e.g. "srun: error: n1: task 1: Exited with exit code 7"
+# ("Terminated" is what srun says of the tasks it ended itself, so it names no culprit)
+_SRUN_TASK_FAILED = re.compile(r"srun: error: \S+: tasks? (\d+)(?:[-,]\d+)*: (?:Exited|Killed)")
+# torchrun's failure report: "Root Cause ...:\n[0]:\n  ...\n  rank      : 1 (local_rank: 1)\n  exitcode  : 3"
+_TORCHRUN_FAILURE = re.compile(r"^\s*rank\s*:\s*(\d+).*\n\s*exitcode\s*:\s*(-?\d+)", re.MULTILINE)
+
+
+class SlurmScheduler(Scheduler):
+    """Submits worker groups as Slurm jobs; ``with`` scancels every one of them (by id) on exit.
+
+    ``slots`` numbers every listener of the run (``PortSlots``); ``net_port_range`` is the range they
+    share (None: the default), from which the controller's slot also gives each torchrun role its
+    rendezvous port. ``job_prefix`` starts every job name (``<prefix><role>``); ``cache_s`` is how
+    old a job state may be; ``stop_timeout_s`` how long a stop waits for squeue to drop a job.
+    """
+
+    def __init__(
+        self,
+        run_dir: RunDir,
+        slots: PortSlots,
+        cluster: ClusterConfig,
+        net_port_range: tuple[int, int] | None = None,
+        *,
+        job_prefix: str = "hpcrl-",
+        cache_s: float = 2.0,
+        stop_timeout_s: float = 60.0,
+    ):
+        if cluster.submit_mode not in SUBMIT_MODES:
+            raise ValueError(f"cluster.submit_mode must be one of {SUBMIT_MODES}, got {cluster.submit_mode!r}")
+        self.run_dir = run_dir
+        self.slots = slots
+        self.cluster = cluster
+        self.registry = Registry(run_dir.registry)
+        # the controller's own ports (torchrun rendezvous), as under LocalScheduler
+        self.ports = slots.allocator(slots.controller, net_port_range)
+        self.folder = run_dir.path / "slurm"  # submitit's folder: batch scripts, task pickles, job output
+        self.job_prefix = job_prefix
+        self.stop_timeout_s = stop_timeout_s
+        self.watcher = JobWatcher(cache_s)
+        self.job_ids: list[str] = []  # every job this scheduler submitted, in order
+        self._groups: list[SlurmWorkerGroup] = []
+        self._signals = ChildGroup()  # holds no children: only its SIGTERM/SIGINT-to-exception handling
+
+    def start(self, spec: RoleSpec) -> SlurmWorkerGroup:
+        """Submit ``spec``'s workers as one Slurm job of their own (through submitit); returns at once."""
+        self._check([spec])
+        if "%" in str(self.folder) or "\n" in str(self.folder):
+            raise ValueError(
+                f"{spec.role}: submitit writes the folder {str(self.folder)!r} into Slurm file name patterns as it "
+                "is, so it must hold no '%' (a placeholder there) and no newline; choose another run.root, or "
+                "submit the roles as one heterogeneous job (cluster.submit_mode=hetjob), which escapes it"
+            )
+        self.registry.clear(spec.role)  # entries of an earlier attempt must not count as ready
+        resources = role_resources(spec, self.cluster, self.job_prefix + spec.role)
+        executor = submitit.SlurmExecutor(folder=self.folder)
+        executor.update_parameters(**submitit_parameters(resources, self.cluster.setup))
+        task = self._task(spec)
+        with _signals_held():  # a job whose id is not recorded could not be cancelled
+            job_id = executor.submit(task).job_id
+            self.job_ids.append(job_id)
+        log.info("%s: submitted Slurm job %s (%s)", spec.role, job_id, _describe(resources.sbatch_options()))
+        return self._group(spec, JobRef(job_id))
+
+    def start_all(self, specs: Sequence[RoleSpec]) -> list[SlurmWorkerGroup]:
+        """Submit every spec: one heterogeneous job (``hetjob``), or one job per spec (``per_role``).
+
+        A single spec always gets a job of its own. The groups come back in the order of ``specs``.
+        """
+        specs = list(specs)
+        self._check(specs)  # every spec, before any job is submitted
+        if self.cluster.submit_mode == "per_role" or len(specs) < 2:
+            return [self.start(spec) for spec in specs]
+        uid = uuid.uuid4().hex[:12]
+        components = self._components(specs, uid)
+        script_text = render_hetjob_script(components, self.folder, self.cluster.setup)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for spec, component in zip(specs, components, strict=True):
+            self.registry.clear(spec.role)
+            DelayedSubmission(self._task(spec)).dump(component.task_file)
+        script = self.folder / f".hetjob_{uid}.sh"
+        script.write_text(script_text)
+        with _signals_held():
+            job_id = submit_script(script)
+            self.job_ids.append(job_id)
+        script.rename(self.folder / f"{job_id}_submission.sh")
+        parts = ", ".join(f"{spec.role} {job_id}+{k}" for k, spec in enumerate(specs))
+        log.info("submitted heterogeneous Slurm job %s: %s", job_id, parts)
+        return [self._group(spec, JobRef(job_id, k)) for k, spec in enumerate(specs)]
+
+    def hetjob_script(self, specs: Sequence[RoleSpec]) -> str:
+        """The batch script ``start_all(specs)`` would submit as one heterogeneous job (for dry runs)."""
+        specs = list(specs)
+        self._check(specs)
+        return render_hetjob_script(self._components(specs, "<uid>"), self.folder, self.cluster.setup)
+
+    def close(self) -> None:
+        """scancel every job this scheduler submitted (by id) and wait until squeue drops them."""
+        with _signals_held():  # a second Ctrl-C must not cut the cleanup short; it is raised after it
+            for group in self._groups:
+                group._stopped = True
+            cancel(self.job_ids)
+            left = wait_gone(self.job_ids, self.stop_timeout_s)
+            if left:
+                log.error("Slurm jobs %s are still listed by squeue %g s after scancel", left, self.stop_timeout_s)
+
+    def __enter__(self) -> SlurmScheduler:
+        self._signals.__enter__()  # from here SIGTERM and SIGINT unwind through __exit__
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.close()
+        finally:
+            self._signals.__exit__(*exc)
+
+    def _check(self, specs: list[RoleSpec]) -> None:
+        roles = [spec.role for spec in specs]
+        if len(set(roles)) != len(roles):
+            raise ValueError(f"each role may be started once per call, got {roles}")
+        for spec in specs:
+            self.slots.base(spec.role)  # a role without slots is the clearer error
+            if self.slots.counts[spec.role] != spec.workers:
+                raise ValueError(
+                    f"{spec.role}: the spec has {spec.workers} workers but the run's PortSlots counts "
+                    f"{self.slots.counts[spec.role]}; build PortSlots from the same allocation as the specs"
+                )
+            role_resources(spec, self.cluster, spec.role)  # bad resources fail before anything is submitted
+
+    def _components(self, specs: list[RoleSpec], uid: str) -> list[HetComponent]:
+        return [
+            HetComponent(
+                spec.role,
+                role_resources(spec, self.cluster, self.job_prefix + spec.role),
+                self.folder / f"{uid}_{spec.role}_task.pkl",
+            )
+            for spec in specs
+        ]
+
+    def _task(self, spec: RoleSpec) -> WorkerTask:
+        settings = role_settings(spec, self.cluster)
+        env = {**self.cluster.env, **settings.env, **worker_env(self.run_dir.path, spec, self.slots)}
+        return WorkerTask(
+            role=spec.role,
+            argv=list(spec.argv),
+            env=env,
+            logs=self.run_dir.logs,
+            workers=spec.workers,
+            nodes=spec.nodes,
+            gpus_per_worker=spec.gpus_per_worker,
+            torchrun=spec.torchrun,
+            rdzv_port=self.ports.allocate(1)[0] if spec.torchrun else 0,
+        )
+
+    def _group(self, spec: RoleSpec, job: JobRef) -> SlurmWorkerGroup:
+        self.watcher.watch(job)
+        group = SlurmWorkerGroup(spec, self.registry, job, self.watcher, self.folder, self.run_dir, self.stop_timeout_s)
+        self._groups.append(group)
+        return group
+
+
+class SlurmWorkerGroup(WorkerGroup):
+    """The workers of one role: one Slurm job, or one component of a heterogeneous job."""
+
+    def __init__(
+        self,
+        spec: RoleSpec,
+        registry: Registry,
+        job: JobRef,
+        watcher: JobWatcher,
+        folder: Path,
+        run_dir: RunDir,
+        stop_timeout_s: float = 60.0,
+    ):
+        super().__init__(spec, registry)
+        self.job = job
+        self.watcher = watcher
+        self.folder = folder
+        self.run_dir = run_dir
+        self.stop_timeout_s = stop_timeout_s
+        self._stopped = False
+
+    @property
+    def job_id(self) -> str:
+        """How squeue and sacct name this group's job: ``123``, or ``123+1`` for a hetjob component."""
+        return self.job.name
+
+    def state(self) -> JobState:
+        return self.watcher.state(self.job)
+
+    def wait_ready(self, timeout_s: float | None = None) -> list[Entry]:
+        """As ``WorkerGroup.wait_ready``; a timeout says where the job stands (queued time counts too)."""
+        try:
+            return super().wait_ready(timeout_s)
+        except TimeoutError as e:
+            e.add_note(f"Slurm job {self.job} is {self.state()}; its output files are in {self.folder}")
+            raise
+
+    def check_alive(self) -> None:
+        state = self.state()
+        if state.final:
+            tail, log_file = self._failure_report(state)
+            raise WorkerFailed(self.role, f"job {self.job}", state.state, tail, log_file)
+
+    def stop(self) -> None:
+        """scancel the job by id (a hetjob component: the whole hetjob) and wait until squeue drops it."""
+        if self._stopped:
+            return
+        self._stopped = True
+        with _signals_held():
+            cancel([self.job.job_id])
+            if wait_gone([self.job.job_id], self.stop_timeout_s):
+                log.error(
+                    "%s: Slurm job %s is still listed %g s after scancel", self.role, self.job, self.stop_timeout_s
+                )
+
+    def job_files(self) -> list[Path]:
+        """The job's output files in the submitit folder that are not empty: its tasks' stderr and stdout
+        (a plain worker writes to its own log; torchrun writes here), srun's and the batch script's."""
+        name = glob.escape(self.job.name)
+        files = sorted(self.folder.glob(f"{name}_*_log.err")) + sorted(self.folder.glob(f"{name}_*_log.out"))
+        if self.job.component is not None:  # srun's own messages, and the batch script's
+            files += [self.folder / f"{self.job.name}_srun.err", self.folder / f"{self.job.job_id}_batch.err"]
+        return [f for f in files if f.exists() and f.stat().st_size]
+
+    def _failure_report(self, state: JobState) -> tuple[str, Path | None]:
+        tails = {f: _job_tail(f) for f in self.job_files()}
+        worker_log = self._failed_worker_log("\n".join(read_tail(f, 400) for f in tails))
+        parts = [read_tail(worker_log, LOG_LINES).rstrip() or "<empty log>"] if worker_log else []
+        parts += [f"--- {f.name}:\n{tail}" for f, tail in tails.items() if tail]
+        parts.append(f"--- Slurm: job {self.job} {state}; its output files are in {self.folder}")
+        return "\n".join(parts), worker_log
+
+    def _failed_worker_log(self, job_text: str) -> Path | None:
+        """The log of the worker srun or torchrun reports as failed, else the role's newest log."""
+        if self.spec.torchrun:
+            found = _TORCHRUN_FAILURE.search(job_text, max(job_text.rfind("Root Cause"), 0))
+        else:
+            found = _SRUN_TASK_FAILED.search(job_text)
+        if found is not None:
+            return self.run_dir.log_file(self.role, int(found[1]))
+        logs = [
+            p
+            for p in self.run_dir.logs.glob(f"{glob.escape(self.role)}-*.log")
+            if p.stem[len(self.role) + 1 :].isdigit()
+        ]
+        return max(logs, key=lambda p: p.stat().st_mtime, default=None)
+
+
+def _job_tail(path: Path) -> str:
+    """The end of one of the job's output files, without submitit's start-up lines."""
+    lines = read_tail(path, JOB_LOG_LINES + 5).splitlines()
+    return "\n".join([line for line in lines if not line.startswith("submitit INFO")][-JOB_LOG_LINES:]).rstrip()
+
+
+def _describe(options: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in options.items() if k != "job-name")
