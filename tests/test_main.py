@@ -43,12 +43,6 @@ def test_shorthand_on_the_command_line(main_cli):
     assert (alloc["trainer"]["workers"], alloc["trainer"]["gpus_per_worker"]) == (8, 1)
 
 
-def test_slurm_cluster_is_refused_before_anything_starts_until_its_scheduler_exists(main_cli):
-    result = main_cli("cluster=slurm", "allocation=1node_8gpu", "run.trial=slurm")
-    assert result.returncode == 1
-    assert "the Slurm scheduler is not built yet" in result.stderr
-
-
 def test_cfg_job_prints_the_composed_config(main_cli):
     result = main_cli("--cfg", "job", "algorithm=dapo")
     assert result.returncode == 0, result.stderr

@@ -1,7 +1,7 @@
 """The job ``python -m hpcrl.main`` runs: data, model, workers, the loop, and its summary.
 
     prepare: data splits -> model directory (a tiny one is made for the task) -> config.yaml + secret
-    start:   scheduler -> server workers + trainer ranks (each registers host:port when it serves)
+    start:   scheduler (local, or Slurm) -> server workers + trainer ranks (each registers host:port when it serves)
     run:     Loop (rollout -> train -> weight sync -> eval -> metrics) until the budget or the target
     end:     trainers shut down over RPC; leaving the scheduler's block stops every process tree by PID
 
@@ -27,7 +27,7 @@ from hpcrl.controller.progress import Progress
 from hpcrl.controller.trainers import Trainers
 from hpcrl.controller.weights import WeightSync
 from hpcrl.launch.addresses import port_range
-from hpcrl.launch.base import RoleSpec
+from hpcrl.launch.base import RoleSpec, Scheduler
 from hpcrl.launch.local import LocalScheduler
 from hpcrl.launch.slots import PortSlots
 from hpcrl.reward.pool import RewardPool
@@ -41,11 +41,6 @@ log = logging.getLogger(__name__)
 def run_job(cfg: Config, run_dir: RunDir) -> dict[str, Any]:
     from hpcrl.data import load_splits
 
-    if cfg.cluster.kind != "local":
-        raise NotImplementedError(
-            f"cluster.kind={cfg.cluster.kind}: the Slurm scheduler is not built yet; run with cluster=local, "
-            "or check the config with run.dry_run=true"
-        )
     train, held_out = load_splits(cfg.dataset, cfg.run.seed)
     train_rows, eval_rows = list(train), list(held_out)
     model_path = prepare_model(cfg, run_dir, train_rows + eval_rows)
@@ -55,11 +50,10 @@ def run_job(cfg: Config, run_dir: RunDir) -> dict[str, Any]:
     alloc = cfg.allocation
     slots = PortSlots({"server": alloc.server.workers, "trainer": alloc.trainer.workers})
     with (
-        LocalScheduler(run_dir, slots, port_range(cfg.cluster.net)) as scheduler,
+        make_scheduler(cfg, run_dir, slots) as scheduler,
         RewardPool(cfg.reward.fn, cfg.reward.workers, cfg.reward.timeout_s) as rewards,
     ):
-        servers = scheduler.start(server_spec(cfg))
-        trainers = scheduler.start(trainer_spec(cfg))
+        servers, trainers = scheduler.start_all([server_spec(cfg), trainer_spec(cfg)])
         server_entries = servers.wait_ready()
         trainer_entries = trainers.wait_ready()
 
@@ -94,6 +88,16 @@ async def _drive(cfg, run_dir, workers, addresses, token, scheduler, train_rows,
         await sync.close()
         await trainers.shutdown()
     return summary
+
+
+def make_scheduler(cfg: Config, run_dir: RunDir, slots: PortSlots) -> Scheduler:
+    """Local subprocesses, or Slurm jobs (cluster.submit_mode: one hetjob, or one job per role)."""
+    ports = port_range(cfg.cluster.net)
+    if cfg.cluster.kind == "slurm":
+        from hpcrl.launch.slurm import SlurmScheduler
+
+        return SlurmScheduler(run_dir, slots, cfg.cluster, ports, job_prefix=f"hpcrl-{cfg.run.experiment}-")
+    return LocalScheduler(run_dir, slots, ports)
 
 
 def server_spec(cfg: Config) -> RoleSpec:

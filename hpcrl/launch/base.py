@@ -13,7 +13,7 @@ worker does this itself, once it serves, so registration means ready. Each worke
 its environment (the ``*_ENV`` names below, set by every scheduler) and writes its output to
 ``<run_dir>/logs/<role>-<rank>.log``.
 
-``local`` (``local.py``) runs workers as subprocesses of the controller; ``slurm`` will submit them.
+``local`` (``local.py``) runs workers as subprocesses of the controller; ``slurm`` (``slurm/``) submits them.
 """
 
 from __future__ import annotations
@@ -151,6 +151,10 @@ class Scheduler(ABC):
     @abstractmethod
     def start(self, spec: RoleSpec) -> WorkerGroup:
         """Start ``spec``'s workers (clearing the role's old registry entries first); returns at once."""
+
+    def start_all(self, specs: list[RoleSpec]) -> list[WorkerGroup]:
+        """Start several roles; a scheduler may place them together (Slurm: one heterogeneous job)."""
+        return [self.start(spec) for spec in specs]
 
     @abstractmethod
     def close(self) -> None:
