@@ -258,19 +258,28 @@ class LocalWorkerGroup(WorkerGroup):
         log.error("%s: pids %s survived SIGKILL", self.role, [p.pid for p in procs])
 
 
-def torchrun_command(argv: Sequence[str], nproc: int, rdzv_endpoint: str, rank_log: str, rdzv_id: str) -> list[str]:
-    """torchrun (this interpreter's) running ``argv`` as ``nproc`` ranks; rank r's output goes to ``rank_log``
-    with ``{rank}`` replaced by r."""
+def torchrun_command(
+    argv: Sequence[str],
+    nproc: int,
+    rdzv_endpoint: str,
+    rank_log: str,
+    rdzv_id: str,
+    nnodes: int = 1,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """torchrun (this interpreter's) running ``argv`` as ``nproc`` ranks on each of ``nnodes`` nodes; rank r's
+    output goes to ``rank_log`` with ``{rank}`` replaced by r. ``extra``: more torchrun options."""
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--nnodes=1",
+        f"--nnodes={nnodes}",
         f"--nproc-per-node={nproc}",
         "--max-restarts=0",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={rdzv_endpoint}",
         f"--rdzv-id={rdzv_id}",
+        *extra,
         "--no-python",
         sys.executable,
         "-m",

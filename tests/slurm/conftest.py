@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl.launch.slurm.watch import FINAL_STATES
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "slurm" / "dev-cluster.sh"
 PARTITION = os.environ.get("HPCRL_SLURM_PARTITION", "debug")
@@ -31,18 +33,6 @@ UP_TIMEOUT_S = 480
 DOWN_TIMEOUT_S = 120
 # CPUs each node declares when this fixture starts the cluster: several small jobs fit on a 2-core machine
 DEFAULT_CPUS_PER_NODE = "4"
-# sacct states after which a job does not change any more ("CANCELLED by 0" counts as CANCELLED)
-FINAL_STATES = {
-    "BOOT_FAIL",
-    "CANCELLED",
-    "COMPLETED",
-    "DEADLINE",
-    "FAILED",
-    "NODE_FAIL",
-    "OUT_OF_MEMORY",
-    "PREEMPTED",
-    "TIMEOUT",
-}
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
+from hpcrl.launch.local import torchrun_command
 from hpcrl.launch.slots import RANK_ENV
 from hpcrl.net import format_hostport
 
@@ -91,27 +92,16 @@ def torchrun_argv(task: WorkerTask, environ: dict[str, str] | os._Environ) -> li
         raise RuntimeError(f"{task.role}: the step runs on {hosts}, expected {task.nodes} nodes")
     is_host = int(_need(environ, "SLURMD_NODENAME") == hosts[0])
     rank_log = str(task.logs / f"{task.role}-{{rank}}.log")
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nnodes={task.nodes}",
-        f"--nproc-per-node={task.workers // task.nodes}",
-        "--max-restarts=0",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={format_hostport(hosts[0], task.rdzv_port)}",
-        f"--rdzv-id={_need(environ, 'SLURM_JOB_ID')}-{task.role}",
-        # every node of the test Slurm is this host: name the store's host instead of guessing it by address
-        f"--rdzv-conf=is_host={is_host}",
-        "--no-python",
-        sys.executable,
-        "-m",
-        "hpcrl.launch.local",
-        "--rank-log",
+    return torchrun_command(
+        task.argv,
+        task.workers // task.nodes,
+        format_hostport(hosts[0], task.rdzv_port),
         rank_log,
-        "--",
-        *task.argv,
-    ]
+        rdzv_id=f"{_need(environ, 'SLURM_JOB_ID')}-{task.role}",
+        nnodes=task.nodes,
+        # every node of the test Slurm is this host: name the store's host instead of guessing it by address
+        extra=[f"--rdzv-conf=is_host={is_host}"],
+    )
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
