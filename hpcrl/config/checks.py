@@ -27,6 +27,7 @@ from hpcrl.config.schema import (
     RolloutConfig,
     RunConfig,
     TrainConfig,
+    WorkflowConfig,
 )
 from hpcrl.config.shorthand import SERVER_BACKENDS, TRAINER_BACKENDS, parse_spec
 
@@ -45,6 +46,7 @@ def validate(cfg: Config) -> Config:
     check_dataset(cfg.dataset)
     check_train(cfg.train)
     check_rollout(cfg.rollout)
+    check_workflow(cfg.workflow)
     check_inference(cfg.inference)
     check_reward(cfg.reward)
     check_eval(cfg.eval)
@@ -192,6 +194,16 @@ def check_rollout(r: RolloutConfig) -> None:
     require(r.max_concurrent >= 1, "rollout.max_concurrent", r.max_concurrent, "an integer >= 1")
     require(r.max_staleness >= 0, "rollout.max_staleness", r.max_staleness, "an integer >= 0")
     require(r.request_timeout_s > 0, "rollout.request_timeout_s", r.request_timeout_s, "seconds > 0")
+
+
+def check_workflow(w: WorkflowConfig) -> None:
+    one_of("workflow.name", w.name, ("single_turn", "multi_turn", "best_of_n", "majority_vote", "pipeline"))
+    require(w.max_turns >= 1, "workflow.max_turns", w.max_turns, "an integer >= 1")
+    require(0 < w.turn_discount <= 1, "workflow.turn_discount", w.turn_discount, "a number in (0, 1]")
+    require(w.n >= 1, "workflow.n", w.n, "an integer >= 1")
+    require(not w.verifier or ":" in w.verifier, "workflow.verifier", w.verifier, '"" or "module:function"')
+    require(len(w.stages) >= 1, "workflow.stages", w.stages, "a list of at least one prompt template")
+    one_of("workflow.train_on", w.train_on, ("all", "chosen"))
 
 
 def check_inference(i: InferenceConfig) -> None:

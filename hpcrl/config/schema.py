@@ -166,6 +166,19 @@ class RolloutConfig:
     max_concurrent: int = 512  # episodes in flight at once
     max_staleness: int = 0  # max policy versions an episode may lag the trainer; 0 = synchronous
     request_timeout_s: float = 120.0  # deadline of one generate request
+    stop: list[str] = field(default_factory=list)  # stop strings sent with every rollout request
+
+
+@dataclass
+class WorkflowConfig:
+    name: str = "single_turn"  # single_turn | multi_turn | best_of_n | majority_vote | pipeline
+    max_turns: int = 2  # multi_turn: the most model turns in one trajectory
+    turn_discount: float = 0.9  # multi_turn: the reward is multiplied by this once per turn after the first
+    feedback: str = " no, again: "  # multi_turn: the user turn after a wrong answer (chat-templated if possible)
+    n: int = 4  # best_of_n, majority_vote: candidates generated per episode
+    verifier: str = ""  # best_of_n: "module:function" scoring candidates like a reward; "" = reward.fn
+    stages: list[str] = field(default_factory=lambda: ["{prompt}", "{prompt}{previous}|"])  # pipeline: prompts
+    train_on: str = "all"  # scaffolds as rollout: train on all candidates' trajectories | the chosen one
 
 
 @dataclass
@@ -206,6 +219,7 @@ class Config:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)  # prompts and answers
     train: TrainConfig = field(default_factory=TrainConfig)  # optimizer and micro-batching
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # sampling and async bounds
+    workflow: WorkflowConfig = field(default_factory=WorkflowConfig)  # what one episode runs
     inference: InferenceConfig = field(default_factory=InferenceConfig)  # inference server settings
     reward: RewardConfig = field(default_factory=RewardConfig)  # how completions are scored
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation and early stop

@@ -13,7 +13,7 @@ from hpcrl.train.algorithms import compute_advantages
 
 
 def to_sequences(groups: list[Group], cfg: AlgorithmConfig) -> list[SequenceData]:
-    """One sequence per sample: prompt then completion; loss on the completion only."""
+    """One sequence per sample: prompt then trajectory; loss on the tokens the model sampled only."""
     rewards = torch.tensor([[s.reward for s in g.samples] for g in groups], dtype=torch.float32)
     advantages = compute_advantages(rewards, cfg).tolist()
     sequences = []
@@ -23,7 +23,7 @@ def to_sequences(groups: list[Group], cfg: AlgorithmConfig) -> list[SequenceData
             sequences.append(
                 SequenceData(
                     input_ids=group.prompt_ids + sample.output_ids,
-                    loss_mask=[0] * n_prompt + [1] * len(sample.output_ids),
+                    loss_mask=[0] * n_prompt + sample.mask(),
                     advantage=float(advantage),
                     old_logprobs=[0.0] * n_prompt + sample.logprobs,
                     prox_logprobs=None,
@@ -38,7 +38,7 @@ def rollout_stats(groups: list[Group], trainer_version: int) -> dict[str, float]
     """Reward and length statistics of a batch, and how stale its tokens are for this train step."""
     rewards = [s.reward for g in groups for s in g.samples]
     lengths = [len(s.output_ids) for g in groups for s in g.samples]
-    versions = [v for g in groups for s in g.samples for v in s.versions]
+    versions = [v for g in groups for s in g.samples for v in s.versions if v >= 0]  # sampled tokens only
     stale = [trainer_version - v for v in versions] or [0]
     return {
         "reward_mean": statistics.fmean(rewards),

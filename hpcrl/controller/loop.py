@@ -25,7 +25,8 @@ from hpcrl.controller.weights import WeightSync
 from hpcrl.reward.outcome import RewardError
 from hpcrl.rollout.client import InferenceClient
 from hpcrl.rollout.executor import RolloutExecutor
-from hpcrl.rollout.workflow import Group, SingleTurn
+from hpcrl.rollout.workflow import Group
+from hpcrl.rollout.workflows import make_workflow
 
 log = logging.getLogger(__name__)
 
@@ -146,15 +147,7 @@ class Loop:
 
     def _executor(self) -> RolloutExecutor:
         cfg = self.cfg
-        sampling = {
-            "max_new_tokens": cfg.rollout.max_new_tokens,
-            "temperature": cfg.rollout.temperature,
-            "top_p": cfg.rollout.top_p,
-            "top_k": cfg.rollout.top_k,
-        }
-        workflow = SingleTurn(
-            self.w.client, self.tokenizer, sampling, cfg.algorithm.group_size, self.w.rewards, self.resumed
-        )
+        workflow = make_workflow(cfg, self.w.client, self.tokenizer, self.w.rewards, self.resumed)
         return RolloutExecutor(
             lambda row: workflow.run(row["prompt"], row["answer"]),
             endless(self.train_rows, cfg.run.seed),

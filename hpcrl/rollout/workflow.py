@@ -21,13 +21,22 @@ class Rewarder(Protocol):
 
 @dataclass
 class Sample:
+    """One trajectory after the prompt: the model's tokens and, in multi-turn or pipeline workflows, the
+    tokens put between its turns (feedback, a stage's instructions), which are not trained on."""
+
     output_ids: list[int]
-    logprobs: list[float]  # of each output token, as the server sampled it (tempered distribution)
-    versions: list[int]  # weight version that produced each output token
+    logprobs: list[float]  # of each output token, as the server sampled it (tempered); 0.0 for tokens not sampled
+    versions: list[int]  # weight version that produced each output token; -1 for tokens not sampled
     finish_reason: str
-    text: str = ""
+    text: str = ""  # what the reward reads (the model's final answer in a multi-turn trajectory)
     reward: float | None = None
     reward_error: str | None = None
+    loss_mask: list[int] | None = None  # 1 for each token the model sampled; None: every output token is
+    turns: int = 1  # model turns in the trajectory
+
+    def mask(self) -> list[int]:
+        """The loss mask over ``output_ids``: 1 where the model sampled the token."""
+        return [1] * len(self.output_ids) if self.loss_mask is None else self.loss_mask
 
 
 @dataclass
@@ -41,6 +50,29 @@ class Group:
 
     def min_version(self) -> int:
         return min((v for s in self.samples for v in s.versions), default=0)
+
+
+class Workflow(Protocol):
+    """One episode: a prompt and its reference answer in, a scored ``Group`` out.
+
+    Episodes run concurrently on one workflow object: an episode's state lives in its own call (its
+    arguments and locals), never in attributes of the workflow.
+    """
+
+    async def run(self, prompt: str, answer: str) -> Group: ...
+
+
+def sampling_params(rollout: Any) -> dict[str, Any]:
+    """The sampling parameters every rollout request sends, from the config's ``rollout`` section."""
+    params = {
+        "max_new_tokens": rollout.max_new_tokens,
+        "temperature": rollout.temperature,
+        "top_p": rollout.top_p,
+        "top_k": rollout.top_k,
+    }
+    if rollout.stop:
+        params["stop"] = list(rollout.stop)
+    return params
 
 
 def version_number(weight_version: Any) -> int:

@@ -1,0 +1,29 @@
+"""The workflow an episode runs, chosen by ``workflow.name``: the one place that builds workflows.
+
+    workflow = make_workflow(cfg, client, tokenizer, rewards, resumed)
+    group = await workflow.run(prompt, answer)      # episodes run concurrently on this one object
+
+Used by the controller and by rollout workers alike, so both run the same episode for the same config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from hpcrl.config.schema import Config
+from hpcrl.rollout.client import InferenceClient
+from hpcrl.rollout.workflow import Rewarder, SingleTurn, Workflow, sampling_params
+
+WORKFLOWS = ("single_turn",)
+
+
+def make_workflow(
+    cfg: Config, client: InferenceClient, tokenizer: Any, rewards: Rewarder, resumed: asyncio.Event
+) -> Workflow:
+    """The workflow ``cfg.workflow.name`` names, with the rollout's sampling parameters on every request."""
+    name = cfg.workflow.name
+    sampling = sampling_params(cfg.rollout)
+    if name == "single_turn":
+        return SingleTurn(client, tokenizer, sampling, cfg.algorithm.group_size, rewards, resumed)
+    raise ValueError(f"workflow.name={name!r} is invalid: expected one of {', '.join(WORKFLOWS)}")
