@@ -125,7 +125,10 @@ def _role_spec(cfg: Config, role: str, module: str, torchrun: bool = False, env:
 
 
 def prepare_model(cfg: Config, run_dir: RunDir, rows: list[dict[str, str]]) -> Path:
-    """The model directory: model.path, or a tiny model made for the task's characters (reused if there)."""
+    """The model directory: model.path, or a tiny model made for the task's characters (reused if there).
+
+    The alphabet holds every character of the rows and of the text the workflow adds (``workflow_text``);
+    a small alphabet is what lets the tiny model learn in minutes."""
     if cfg.model.source == "local":
         return Path(cfg.model.path)
     out = run_dir.path / "model"
@@ -133,7 +136,9 @@ def prepare_model(cfg: Config, run_dir: RunDir, rows: list[dict[str, str]]) -> P
         return out
     from hpcrl.models.tiny import make_tiny_model
 
-    characters = "".join(sorted({c for r in rows for c in r["prompt"] + r["answer"]}))
+    # the task's characters, and those the workflow puts between the model's turns
+    text = [r["prompt"] + r["answer"] for r in rows] + workflow_text(cfg)
+    characters = "".join(sorted({c for t in text for c in t}))
     t = cfg.model.tiny
     log.info("making a tiny model in %s (alphabet %r)", out, characters)
     return make_tiny_model(
@@ -145,6 +150,13 @@ def prepare_model(cfg: Config, run_dir: RunDir, rows: list[dict[str, str]]) -> P
         seed=cfg.run.seed,
         characters=characters,
     )
+
+
+def workflow_text(cfg: Config) -> list[str]:
+    """Text the workflow puts into trajectories besides the rows: multi-turn feedback, pipeline stages
+    (their ``{field}`` names too, a few unused tokens that keep this simple)."""
+    w = cfg.workflow
+    return {"multi_turn": [w.feedback], "pipeline": list(w.stages)}.get(w.name, [])
 
 
 def _controller_host(cfg: Config) -> str:

@@ -15,7 +15,8 @@ from hpcrl.config.schema import Config
 from hpcrl.rollout.client import InferenceClient
 from hpcrl.rollout.workflow import Rewarder, SingleTurn, Workflow, sampling_params
 
-WORKFLOWS = ("single_turn",)
+WORKFLOWS = ("single_turn", "multi_turn", "best_of_n", "majority_vote", "pipeline")
+SCAFFOLDS = ("best_of_n", "majority_vote", "pipeline")  # scaffolding controllers run as rollout (scaffold.py)
 
 
 def make_workflow(
@@ -26,4 +27,16 @@ def make_workflow(
     sampling = sampling_params(cfg.rollout)
     if name == "single_turn":
         return SingleTurn(client, tokenizer, sampling, cfg.algorithm.group_size, rewards, resumed)
+    if name == "multi_turn":
+        from hpcrl.rollout.multi_turn import MultiTurn
+
+        w = cfg.workflow
+        return MultiTurn(
+            client, tokenizer, sampling, cfg.algorithm.group_size, rewards, resumed,
+            max_turns=w.max_turns, turn_discount=w.turn_discount, feedback=w.feedback,
+        )  # fmt: skip
+    if name in SCAFFOLDS:
+        from hpcrl.rollout.scaffold import scaffold_workflow
+
+        return scaffold_workflow(cfg, client, tokenizer, sampling, rewards, resumed)
     raise ValueError(f"workflow.name={name!r} is invalid: expected one of {', '.join(WORKFLOWS)}")
