@@ -33,9 +33,18 @@ def _whole_gib(gb: Any) -> int | None:
     return math.ceil(float(gb)) if float(gb) > 0 else None
 
 
+def _sbatch_options(lines: Any) -> dict[str, Any]:
+    """cluster.extra_sbatch (["--constraint=h100", "--exclusive"]) as the launcher's additional_parameters."""
+    from hpcrl.launch.slurm.resources import parse_extra_sbatch
+
+    return parse_extra_sbatch(list(lines))
+
+
 # for conf/hydra/launcher: registered on import, which the submitting process and the job both do
 OmegaConf.register_new_resolver("hpcrl.first", _first_set, replace=True)
 OmegaConf.register_new_resolver("hpcrl.gib", _whole_gib, replace=True)
+OmegaConf.register_new_resolver("hpcrl.sbatch_options", _sbatch_options, replace=True)
+OmegaConf.register_new_resolver("hpcrl.lines", lambda lines: "\n".join(lines), replace=True)
 
 
 def register_schema() -> None:

@@ -56,7 +56,7 @@ class NetConfig:
 
 @dataclass
 class RoleResources:
-    setup_timeout_s: float = 600.0  # seconds every worker of the role gets to become ready
+    setup_timeout_s: float = 600.0  # seconds every worker of the role gets to become ready, from its job's start
     cpus_per_worker: int = 1  # CPU cores per worker (Slurm --cpus-per-task)
     mem_gb: float = 0.0  # memory per node in GiB; 0 = the scheduler's default
     partition: str = ""  # Slurm partition for this role; "" = cluster.partition
@@ -88,7 +88,8 @@ class ClusterConfig:
     kind: str = "local"  # local (subprocesses on this machine) | slurm
     gpus_per_node: int = 0  # GPUs on one node; allocations must fit it
     cpus_per_node: int = 0  # CPU cores on one node; 0 = do not check
-    submit_mode: str = "hetjob"  # slurm: hetjob (one heterogeneous job) | per_role (one job per role)
+    queue_timeout_min: int = 0  # slurm: the longest a worker job may wait in the queue; 0 = no limit
+    submit_mode: str = "hetjob"  # slurm: hetjob (one het job) | per_role | steps (inside `hpcrl.sbatch hetjob`)
     partition: str = ""  # Slurm partition; "" = the site's default
     account: str = ""  # Slurm account; "" = the user's default
     qos: str = ""  # Slurm QOS; "" = the partition's default

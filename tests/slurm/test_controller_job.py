@@ -6,8 +6,8 @@ command runs it on this machine. The submitting command waits for the job and ex
 The run directory is the same in the submitting process and in the job: the launcher makes it (the sweep
 directory, conf/config.yaml) and keeps the job's stdout and stderr in its ``.submitit/<job id>/``.
 
-Until the Slurm scheduler exists, cluster=slurm_local runs with run.dry_run=true, and the whole tiny job
-runs inside the controller job with cluster=local (its workers are subprocesses in that job).
+With cluster=slurm_local the controller job submits its workers as Slurm jobs in turn (one heterogeneous job
+here); with cluster=local they are subprocesses inside the controller job.
 """
 
 import json
@@ -214,6 +214,39 @@ def test_tiny_job_runs_inside_the_slurm_controller_job(slurm_cluster, job_prefix
     assert (run_dir / "metrics.jsonl").is_file()
     rows = wait_for_job(folder.name)
     assert rows[folder.name]["State"] == "COMPLETED" and rows[folder.name]["ExitCode"] == "0:0", rows
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_tiny_job_through_the_submitit_launcher_with_its_workers_on_slurm(slurm_cluster, job_prefix, tmp_path):
+    exp = experiment(job_prefix)
+    started = time.monotonic()
+    result = submit(
+        tmp_path,
+        "hydra/launcher=submitit_slurm",
+        "cluster=slurm_local",
+        f"cluster.partition={slurm_cluster.partition}",
+        f"run.experiment={exp}",
+        "run.trial=tiny",
+        *TINY_JOB,
+        timeout_s=TINY_JOB_TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    print(f"tiny job through the launcher, workers on Slurm: {time.monotonic() - started:.1f} s")
+    run_dir = tmp_path / exp / "tiny"
+    folder = job_folder(run_dir)
+    summary = summary_in(job_stdout(folder))
+    assert summary["steps"] == 3 and summary["run_dir"] == str(run_dir), summary
+    controller = wait_for_job(folder.name)
+    assert controller[folder.name]["State"] == "COMPLETED", controller
+    # the controller job submitted the workers as one heterogeneous job: server +0, trainer +1
+    cmd = ["sacct", "-X", "-n", "-P", "-o", "JobID,JobName,State", "-S", "now-1hours"]
+    rows = [
+        line.split("|") for line in subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout.splitlines()
+    ]
+    workers = {name: job_id for job_id, name, _ in rows if name.startswith(f"hpcrl-{exp}-")}
+    assert set(workers) == {f"hpcrl-{exp}-server", f"hpcrl-{exp}-trainer"}, rows
+    assert workers[f"hpcrl-{exp}-server"].endswith("+0") and workers[f"hpcrl-{exp}-trainer"].endswith("+1")
 
 
 @pytest.mark.slow

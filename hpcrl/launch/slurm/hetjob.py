@@ -73,19 +73,7 @@ def render_hetjob_script(
     lines += ["", f"folder={shlex.quote(str(folder))}", f"logs={shlex.quote(_literal(folder))}"]
     for k, component in enumerate(components):
         lines += ["", f"# component {k}: {component.role}", "("]
-        lines += [f"  {line}" for line in component.resources.setup]
-        srun = [
-            "srun",
-            f"--het-group={k}",
-            "--unbuffered",
-            *component.resources.srun_args(),
-        ]
-        command = [python, "-u", "-m", "hpcrl.launch.slurm", str(component.task_file)]
-        output = f'"$logs/${{SLURM_JOB_ID}}+{k}_%t_log'
-        own = f'2>>"$folder/${{SLURM_JOB_ID}}+{k}_srun.err"'  # srun's own messages, apart from the other roles'
-        lines.append(
-            f'  exec {shlex.join(srun)} --output {output}.out" --error {output}.err" {shlex.join(command)} {own}'
-        )
+        lines += [f"  {line}" for line in component_step(k, component, python)]
         lines.append(") &")
     lines += [
         "",
@@ -97,6 +85,23 @@ def render_hetjob_script(
         "",
     ]
     return "\n".join(lines)
+
+
+def component_step(k: int, component: HetComponent, python: str = sys.executable) -> list[str]:
+    """Shell lines that run ``component``'s workers as one srun step of het group ``k``: its setup, then
+    ``exec srun``. They expect ``$folder`` (the submitit folder) and ``$logs`` (the same, ``%`` doubled)."""
+    srun = ["srun", f"--het-group={k}", "--unbuffered", *component.resources.srun_args()]
+    command = [python, "-u", "-m", "hpcrl.launch.slurm", str(component.task_file)]
+    output = f'"$logs/${{SLURM_JOB_ID}}+{k}_%t_log'
+    own = f'2>>"$folder/${{SLURM_JOB_ID}}+{k}_srun.err"'  # srun's own messages, apart from the other roles'
+    run = f'exec {shlex.join(srun)} --output {output}.out" --error {output}.err" {shlex.join(command)} {own}'
+    return [*component.resources.setup, run]
+
+
+def step_script(k: int, component: HetComponent, folder: Path, python: str = sys.executable) -> str:
+    """``component_step`` as a script of its own (``bash -c``), for a controller inside the allocation."""
+    lines = [f"folder={shlex.quote(str(folder))}", f"logs={shlex.quote(_literal(folder))}"]
+    return "\n".join([*lines, *component_step(k, component, python)])
 
 
 def submit_script(script: Path) -> str:

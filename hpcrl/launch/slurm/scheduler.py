@@ -31,6 +31,7 @@ from __future__ import annotations
 import glob
 import logging
 import re
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,7 +44,7 @@ from hpcrl.launch.base import RoleSpec, Scheduler, WorkerFailed, WorkerGroup, wo
 from hpcrl.launch.process import ChildGroup, _signals_held, read_tail
 from hpcrl.launch.registry import Entry, Registry
 from hpcrl.launch.slots import PortSlots
-from hpcrl.launch.slurm.hetjob import HetComponent, render_hetjob_script, submit_script
+from hpcrl.launch.slurm.hetjob import HetComponent, render_hetjob_script, step_script, submit_script
 from hpcrl.launch.slurm.resources import role_resources, role_settings, submitit_parameters
 from hpcrl.launch.slurm.task import WorkerTask
 from hpcrl.launch.slurm.watch import JobRef, JobState, JobWatcher, cancel, wait_gone
@@ -53,7 +54,8 @@ log = logging.getLogger(__name__)
 
 LOG_LINES = 40  # lines of the failing worker's log a WorkerFailed carries
 JOB_LOG_LINES = 10  # lines of each of the job's own output files it carries
-SUBMIT_MODES = ("hetjob", "per_role")
+SUBMIT_MODES = ("hetjob", "per_role", "steps")
+QUEUED_STATES = frozenset({"PENDING", "UNKNOWN", "REQUEUED", "RESV_DEL_HOLD"})  # submitted, not started yet
 # srun's report of a task that failed, e.g. "srun: error: n1: task 1: Exited with exit code 7"
 # ("Terminated" is what srun says of the tasks it ended itself, so it names no culprit)
 _SRUN_TASK_FAILED = re.compile(r"srun: error: \S+: tasks? (\d+)(?:[-,]\d+)*: (?:Exited|Killed)")
@@ -124,6 +126,8 @@ class SlurmScheduler(Scheduler):
         """
         specs = list(specs)
         self._check(specs)  # every spec, before any job is submitted
+        if self.cluster.submit_mode == "steps":
+            return self._start_steps(specs)
         if self.cluster.submit_mode == "per_role" or len(specs) < 2:
             return [self.start(spec) for spec in specs]
         uid = uuid.uuid4().hex[:12]
@@ -143,6 +147,30 @@ class SlurmScheduler(Scheduler):
         log.info("submitted heterogeneous Slurm job %s: %s", job_id, parts)
         return [self._group(spec, JobRef(job_id, k)) for k, spec in enumerate(specs)]
 
+    def _start_steps(self, specs: list[RoleSpec]) -> list[SlurmWorkerGroup]:
+        """Each spec as an srun step of het group 1, 2, ... of the job this controller runs in (steps.py)."""
+        from hpcrl.launch.slurm.steps import StepWorkerGroup, check_het_allocation
+
+        components = self._components(specs, uuid.uuid4().hex[:12])
+        job_id = check_het_allocation(components)  # before any step starts
+        self.folder.mkdir(parents=True, exist_ok=True)
+        groups: list[SlurmWorkerGroup] = []
+        for k, (spec, component) in enumerate(zip(specs, components, strict=True), start=1):
+            self.registry.clear(spec.role)
+            DelayedSubmission(self._task(spec)).dump(component.task_file)
+            script = step_script(k, component, self.folder)
+            srun = self._signals.spawn(
+                f"{spec.role} step", ["bash", "-c", script], self.folder / f"{job_id}+{k}_step.log"
+            )
+            log.info("%s: started as srun step of het group %d of Slurm job %s", spec.role, k, job_id)
+            group = StepWorkerGroup(
+                spec, self.registry, JobRef(job_id, k), self.watcher, self.folder, self.run_dir, self.stop_timeout_s,
+                srun=srun,
+            )  # fmt: skip
+            self._groups.append(group)
+            groups.append(group)
+        return groups
+
     def hetjob_script(self, specs: Sequence[RoleSpec]) -> str:
         """The batch script ``start_all(specs)`` would submit as one heterogeneous job (for dry runs)."""
         specs = list(specs)
@@ -152,7 +180,7 @@ class SlurmScheduler(Scheduler):
     def close(self) -> None:
         """scancel every job this scheduler submitted (by id) and wait until squeue drops them."""
         with _signals_held():  # a second Ctrl-C must not cut the cleanup short; it is raised after it
-            for group in self._groups:
+            for group in self._groups:  # steps of the controller's own job end with self._signals, by PID
                 group._stopped = True
             cancel(self.job_ids)
             left = wait_gone(self.job_ids, self.stop_timeout_s)
@@ -209,7 +237,10 @@ class SlurmScheduler(Scheduler):
 
     def _group(self, spec: RoleSpec, job: JobRef) -> SlurmWorkerGroup:
         self.watcher.watch(job)
-        group = SlurmWorkerGroup(spec, self.registry, job, self.watcher, self.folder, self.run_dir, self.stop_timeout_s)
+        queue_timeout_s = self.cluster.queue_timeout_min * 60 or None
+        group = SlurmWorkerGroup(
+            spec, self.registry, job, self.watcher, self.folder, self.run_dir, self.stop_timeout_s, queue_timeout_s
+        )
         self._groups.append(group)
         return group
 
@@ -226,8 +257,10 @@ class SlurmWorkerGroup(WorkerGroup):
         folder: Path,
         run_dir: RunDir,
         stop_timeout_s: float = 60.0,
+        queue_timeout_s: float | None = None,
     ):
         super().__init__(spec, registry)
+        self.queue_timeout_s = queue_timeout_s
         self.job = job
         self.watcher = watcher
         self.folder = folder
@@ -244,12 +277,36 @@ class SlurmWorkerGroup(WorkerGroup):
         return self.watcher.state(self.job)
 
     def wait_ready(self, timeout_s: float | None = None) -> list[Entry]:
-        """As ``WorkerGroup.wait_ready``; a timeout says where the job stands (queued time counts too)."""
+        """As ``WorkerGroup.wait_ready``, with the setup timeout counted from when Slurm starts the job.
+
+        Time in the queue does not count against it (a busy cluster may hold a job for hours); it is
+        bounded by ``queue_timeout_s`` (None: no bound) and logged every few minutes with Slurm's reason.
+        """
+        self.wait_started()
         try:
             return super().wait_ready(timeout_s)
         except TimeoutError as e:
             e.add_note(f"Slurm job {self.job} is {self.state()}; its output files are in {self.folder}")
             raise
+
+    def wait_started(self, poll_s: float = 1.0, report_s: float = 300.0) -> JobState:
+        """Wait while the job is queued (PENDING, or not yet shown); its state once it runs or has ended."""
+        start = reported = time.monotonic()
+        while True:
+            self.check_alive()
+            state = self.state()
+            if state.state not in QUEUED_STATES:
+                return state
+            waited = time.monotonic() - start
+            if self.queue_timeout_s is not None and waited > self.queue_timeout_s:
+                raise TimeoutError(
+                    f"{self.role}: Slurm job {self.job} is still {state} after {waited:.0f} s in the queue; "
+                    "raise cluster.queue_timeout_min (0 = no limit) or ask for fewer resources"
+                )
+            if time.monotonic() - reported >= report_s:
+                reported = time.monotonic()
+                log.info("%s: Slurm job %s has waited %.0f s in the queue: %s", self.role, self.job, waited, state)
+            time.sleep(poll_s)
 
     def check_alive(self) -> None:
         state = self.state()

@@ -1,0 +1,84 @@
+"""Batch scripts a user submits by hand (``python -m hpcrl.sbatch``), from the config that ``hpcrl.main`` uses.
+
+    controller_script   the controller as one Slurm job, the workers submitted from it (cluster.submit_mode):
+                        what ``-m hydra/launcher=submitit_slurm`` submits through submitit, with the same
+                        options (``controller_resources``; tests/slurm/test_sbatch.py holds the two equal)
+    run_hetjob_script   the whole run as ONE heterogeneous job: component 0 the controller, 1..R the roles,
+                        whose workers it starts as srun steps (cluster.submit_mode=steps, steps.py)
+
+Both run ``python -m hpcrl.main <overrides> "$@"``, so ``sbatch script.sbatch key=value ...`` adds overrides;
+their own output goes to ``hpcrl-<job id>.out`` in the directory sbatch ran in (Slurm makes no folders, and
+the run directory does not exist before the job starts). The roles' components are rendered with the same
+``role_resources`` and ``sbatch_lines`` as ``hetjob`` mode (hetjob.py).
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+
+from hpcrl.config.schema import ClusterConfig, Config
+from hpcrl.launch.slurm.resources import JobResources, role_resources, sbatch_lines
+
+OUTPUT = "hpcrl-%j.out"  # the batch script's own output, in the directory sbatch ran in
+
+
+def controller_resources(cluster: ClusterConfig, name: str) -> JobResources:
+    """The controller's job: one task on one node, sized by ``cluster.controller``."""
+    ctl = cluster.controller
+    return JobResources(
+        name=name,
+        nodes=1,
+        ntasks_per_node=1,
+        cpus_per_task=ctl.cpus,
+        mem_gb=ctl.mem_gb,
+        time_min=ctl.time_min or cluster.time_min,
+        partition=ctl.partition or cluster.partition,
+        account=cluster.account,
+        qos=cluster.qos,
+        extra_sbatch=tuple(cluster.extra_sbatch),
+    )
+
+
+def controller_script(cfg: Config, overrides: Sequence[str], python: str) -> str:
+    """The controller as one Slurm job; it submits the workers as ``cluster.submit_mode`` says."""
+    ctl = controller_resources(cfg.cluster, f"hpcrl-{cfg.run.experiment}")
+    head = _header("controller", "the controller as one Slurm job; it submits its workers itself", overrides)
+    return _script([*head, *sbatch_lines(ctl), f"#SBATCH --output={OUTPUT}"], cfg, overrides, python)
+
+
+def run_hetjob_script(cfg: Config, overrides: Sequence[str], python: str) -> str:
+    """The whole run as one heterogeneous job: the controller (component 0), then each role."""
+    from hpcrl.controller.job import server_spec, trainer_spec
+
+    prefix = f"hpcrl-{cfg.run.experiment}"
+    specs = [server_spec(cfg), trainer_spec(cfg)]
+    roles = ", ".join(f"{spec.role} ({k})" for k, spec in enumerate(specs, start=1))
+    head = _header("hetjob", f"the whole run as one heterogeneous job: the controller (0), {roles}", overrides)
+    lines = [*head, *sbatch_lines(controller_resources(cfg.cluster, prefix)), f"#SBATCH --output={OUTPUT}"]
+    for spec in specs:
+        lines += ["#SBATCH hetjob", *sbatch_lines(role_resources(spec, cfg.cluster, f"{prefix}-{spec.role}"))]
+    return _script(lines, cfg, [*overrides, "cluster.submit_mode=steps"], python)
+
+
+def _header(kind: str, what: str, overrides: Sequence[str]) -> list[str]:
+    rendered = shlex.join(["python", "-m", "hpcrl.sbatch", kind, *overrides])
+    return [
+        "#!/bin/bash",
+        f"# hpcrl: {what}.",
+        f"# Rendered by `{rendered}` (add --dry-run to print it).",
+        "# Submit: sbatch THIS_FILE [key=value ...]; the overrides are added to the command at the end.",
+    ]
+
+
+def _script(head: list[str], cfg: Config, overrides: Sequence[str], python: str) -> str:
+    command = shlex.join([python, "-m", "hpcrl.main", *overrides]) + ' "$@"'
+    setup = ["", "# cluster.setup", *cfg.cluster.setup] if cfg.cluster.setup else []
+    return "\n".join([*head, *setup, "", f"exec {command}", ""])
+
+
+def write_script(text: str, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path

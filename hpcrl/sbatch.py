@@ -1,0 +1,75 @@
+"""``python -m hpcrl.sbatch controller|hetjob [--dry-run] [--write FILE] [--python PY] [overrides ...]``
+
+Renders a batch script for the run the overrides describe (the same config ``python -m hpcrl.main``
+composes and checks) and submits it with sbatch:
+
+    controller   the controller as one Slurm job, which submits the workers (as -m hydra/launcher=submitit_slurm)
+    hetjob       the whole run as one heterogeneous job: controller, servers and trainers scheduled together
+
+--dry-run prints the script and the sbatch command and submits nothing; --write FILE writes the script
+there and submits nothing (slurm/*.sbatch are made this way). A bad config exits 2 before anything is
+written or submitted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+from hpcrl.config.errors import ConfigError
+from hpcrl.config.hydra import exit_on_config_error, register_schema, to_config
+from hpcrl.config.overrides import check_override_keys, expand_allocation_shorthand
+from hpcrl.launch.slurm.hetjob import submit_script
+from hpcrl.launch.slurm.scripts import controller_script, run_hetjob_script, write_script
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+RENDER = {"controller": controller_script, "hetjob": run_hetjob_script}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m hpcrl.sbatch", description=__doc__.split("\n\n")[1])
+    parser.add_argument("kind", choices=sorted(RENDER), help="what the script runs")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m hpcrl.main")
+    parser.add_argument("--dry-run", action="store_true", help="print the script and the command; submit nothing")
+    parser.add_argument("--write", type=Path, help="write the script to this file; submit nothing")
+    parser.add_argument("--python", default=sys.executable, help="the interpreter the job runs (default: this one)")
+    return parser.parse_intermixed_args(argv)  # options may come after the overrides
+
+
+def render(kind: str, overrides: list[str], python: str) -> str:
+    """The script for ``kind``; ``ConfigError`` for a bad config, as ``hpcrl.main`` reports it."""
+    overrides = expand_allocation_shorthand(overrides)
+    check_override_keys(overrides, CONF_DIR)
+    register_schema()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = to_config(compose(config_name="config", overrides=overrides))
+    if cfg.cluster.kind != "slurm":
+        raise ConfigError("cluster.kind", cfg.cluster.kind, "slurm for a batch script (e.g. cluster=slurm_local)")
+    return RENDER[kind](cfg, overrides, python)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        text = render(args.kind, args.overrides, args.python)
+    except ConfigError as e:
+        exit_on_config_error(e)
+    if args.write:
+        print(f"wrote {write_script(text, args.write)}")
+        return
+    path = Path.cwd() / f"hpcrl-{args.kind}-{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
+    if args.dry_run:
+        print(text, end="")
+        print(f"# would run: sbatch {shlex.quote(str(path))}  (--dry-run: nothing written or submitted)")
+        return
+    job_id = submit_script(write_script(text, path))
+    print(f"submitted Slurm job {job_id}: sbatch {shlex.quote(str(path))}; its output: hpcrl-{job_id}.out")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""The whole job on the real test Slurm when a worker job fails: the controller fails fast, naming the job
+and its state, and leaves nothing in the queue (``no_leftover_jobs`` checks squeue after every test)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+FAIL_WITHIN_S = 30  # from the worker job's end to the controller's exit
+
+
+def start_job(tmp_path: Path, job_prefix: str, *overrides: str) -> subprocess.Popen:
+    experiment = job_prefix.removeprefix("hpcrl-").rstrip("-")  # worker jobs: hpcrl-<experiment>-<role>
+    cmd = [sys.executable, "-m", "hpcrl.main", "cluster=slurm_local", "cluster.submit_mode=per_role"]
+    cmd += [f"run.root={tmp_path}", f"run.experiment={experiment}", "run.trial=t", *overrides]
+    return subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+
+
+def finish(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str, float]:
+    """The exit code, stderr and the time (epoch seconds) the controller exited; killed after the deadline."""
+    try:
+        _, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        pytest.fail(f"the controller has not exited after {timeout_s} s:\n{stderr[-3000:]}")
+    return proc.returncode, stderr, time.time()
+
+
+def job_named(name: str, timeout_s: float = 120) -> str:
+    """The id of the job squeue or sacct shows with this name (waits for it to be submitted)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        cmd = ["sacct", "-X", "-n", "-P", "-o", "JobID", "-S", "now-1hours", "--name", name]
+        ids = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.split()
+        if ids:
+            return ids[-1]
+        time.sleep(0.5)
+    pytest.fail(f"no job named {name} within {timeout_s} s")
+
+
+def ended_at(job_id: str, timeout_s: float = 30) -> float:
+    """When sacct says the job ended (epoch seconds)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        cmd = ["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "End"]
+        end = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
+        if end and end != "Unknown":
+            return datetime.fromisoformat(end).timestamp()
+        assert time.monotonic() < deadline, f"sacct shows no end for job {job_id}"
+        time.sleep(0.5)
+
+
+def test_a_server_job_that_exits_at_start_fails_the_run_naming_it(slurm_cluster, job_prefix, tmp_path):
+    # a site's setup line that fails (a module that does not load, say): the job exits before any worker runs
+    proc = start_job(tmp_path, job_prefix, "cluster.roles.server.setup=['echo no such module >&2; exit 3']")
+    code, stderr, exited = finish(proc, timeout_s=240)
+    job_id = job_named(f"{job_prefix}server")
+    assert code == 1, stderr[-3000:]
+    assert f"server worker job {job_id}" in stderr and "FAILED" in stderr, stderr[-3000:]
+    assert "no such module" in stderr, "the job's own output is in the error"
+    assert exited - ended_at(job_id) < FAIL_WITHIN_S, (exited, ended_at(job_id))
+
+
+def test_a_worker_job_cancelled_mid_run_fails_the_run_naming_it(slurm_cluster, job_prefix, tmp_path):
+    proc = start_job(tmp_path, job_prefix, "run.max_steps=500", "eval.stop_at_accuracy=0", "rollout.prompts_per_step=8")
+    metrics = tmp_path / job_prefix.removeprefix("hpcrl-").rstrip("-") / "t" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # mid-run: steps are done
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no training step within 300 s"
+        time.sleep(0.5)
+    job_id = job_named(f"{job_prefix}server")
+    subprocess.run(["scancel", job_id], check=True, timeout=30)
+    cancelled = time.time()
+    code, stderr, exited = finish(proc, timeout_s=120)
+    assert code == 1, stderr[-3000:]
+    assert f"server worker job {job_id}" in stderr and "CANCELLED" in stderr, stderr[-3000:]
+    assert exited - cancelled < FAIL_WITHIN_S

@@ -1,0 +1,183 @@
+"""``python -m hpcrl.sbatch``: batch scripts a user submits by hand, and the committed ones in slurm/.
+
+Without Slurm: the committed scripts equal what the renderer makes now; overrides with spaces and quotes
+reach ``hpcrl.main`` intact; the controller script asks for what the Hydra submitit launcher submits; a dry
+run writes and submits nothing; a bad config exits 2 before anything. On the real test Slurm: the
+whole-run heterogeneous job and the controller script each run the tiny job to its summary line.
+"""
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import submitit
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
+
+from hpcrl.config.hydra import register_schema
+from hpcrl.sbatch import render
+from tests.conftest import CONF_DIR, REPO
+from tests.slurm.conftest import wait_for_job
+
+COMMITTED = {"controller": REPO / "slurm" / "controller.sbatch", "hetjob": REPO / "slurm" / "hetjob.sbatch"}
+TINY_JOB = ["run.max_steps=3", "eval.stop_at_accuracy=0", "rollout.prompts_per_step=16"]
+SUMMARY_KEYS = {"steps", "wall_s", "eval_accuracy_before", "eval_accuracy_after", "run_dir"}
+
+
+def sbatch_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hpcrl.sbatch", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+
+
+def options(script: str) -> list[dict[str, str]]:
+    """The ``#SBATCH`` options of each heterogeneous component, as sbatch reads them."""
+    components: list[dict[str, str]] = [{}]
+    for line in script.splitlines():
+        if line == "#SBATCH hetjob":
+            components.append({})
+        elif line.startswith("#SBATCH "):
+            for arg in shlex.split(line.removeprefix("#SBATCH ")):
+                name, _, value = arg.removeprefix("--").partition("=")
+                components[-1][name] = value
+    return components
+
+
+def command(script: str) -> list[str]:
+    """The argv of the script's ``exec`` line, as bash would run it with no script arguments."""
+    (line,) = [line for line in script.splitlines() if line.startswith("exec ")]
+    return shlex.split(line.removeprefix("exec ").replace(' "$@"', ""))
+
+
+@pytest.mark.parametrize("kind", sorted(COMMITTED))
+def test_the_committed_scripts_are_what_the_renderer_makes(kind):
+    expected = render(kind, ["cluster=slurm_local"], python="python")
+    assert COMMITTED[kind].read_text() == expected, (
+        f"slurm/{kind}.sbatch is stale: python -m hpcrl.sbatch {kind} cluster=slurm_local --python python "
+        f"--write slurm/{kind}.sbatch"
+    )
+
+
+def test_the_hetjob_script_has_the_controller_then_each_role():
+    server, trainer = options(COMMITTED["hetjob"].read_text())[1:]
+    controller = options(COMMITTED["controller"].read_text())[0]
+    hetjob_controller = options(COMMITTED["hetjob"].read_text())[0]
+    assert hetjob_controller == controller
+    assert (server["job-name"], trainer["job-name"]) == ("hpcrl-default-server", "hpcrl-default-trainer")
+    assert command(COMMITTED["hetjob"].read_text())[-1] == "cluster.submit_mode=steps"
+
+
+def test_overrides_with_spaces_and_quotes_reach_the_controller_intact(tmp_path):
+    # Hydra's grammar wants a value with spaces quoted; the script must hand that override to bash intact
+    root = f"'{tmp_path}/runs with \"quotes\", spaces, $HOME and %j'"
+    script = render("hetjob", ["cluster=slurm_local", f"run.root={root}"], python=sys.executable)
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    expected = [sys.executable, "-m", "hpcrl.main", "cluster=slurm_local", f"run.root={root}"]
+    assert command(script) == [*expected, "cluster.submit_mode=steps"]
+
+
+def launcher_options(*overrides: str) -> dict[str, str]:
+    """The #SBATCH options submitit writes for the controller job that ``-m hydra/launcher=submitit_slurm``
+    submits: the launcher's parameters handed to submitit as the Hydra plugin hands them."""
+    register_schema()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["hydra/launcher=submitit_slurm", *overrides], return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    params.pop("_target_")
+    folder, max_num_timeout = params.pop("submitit_folder"), params.pop("max_num_timeout")
+    executor = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=max_num_timeout)
+    generic = {"timeout_min", "mem_gb", "nodes", "tasks_per_node", "cpus_per_task", "gpus_per_node", "name"}
+    generic |= {"stderr_to_stdout"}
+    executor.update_parameters(**{k if k in generic else f"slurm_{k}": v for k, v in params.items()})
+    text = executor._executor._make_submission_file_text("true", "uid")  # the text submitit submits
+    return options(text)[0]
+
+
+def test_the_controller_script_asks_for_what_the_submitit_launcher_submits():
+    overrides = ["cluster=slurm_local", "cluster.account=acct", "cluster.qos=high", "run.experiment=exp"]
+    overrides += ['cluster.extra_sbatch=["--constraint=cpu","--exclusive"]', 'cluster.setup=["echo ready"]']
+    ours = options(render("controller", overrides, python="python"))[0]
+    theirs = launcher_options(*overrides)
+    same = ["job-name", "partition", "time", "cpus-per-task", "nodes", "account", "qos", "constraint", "exclusive"]
+    assert {k: ours.get(k) for k in same} == {k: theirs.get(k) for k in same}
+    assert (ours["account"], ours["qos"], ours["constraint"]) == ("acct", "high", "cpu")
+    assert ours["mem"].removesuffix("G") == theirs["mem"].removesuffix("GB")  # both GiB to Slurm
+    assert "echo ready" in render("controller", overrides, python="python")
+
+
+def test_dry_run_prints_the_script_and_command_and_submits_nothing(tmp_path):
+    result = sbatch_cli("hetjob", "--dry-run", "cluster=slurm_local", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("#!/bin/bash") and "#SBATCH hetjob" in result.stdout
+    assert "# would run: sbatch " in result.stdout.splitlines()[-1]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bad_config_exits_2_before_anything_is_written(tmp_path):
+    result = sbatch_cli("controller", "cluster=slurm_local", "rollout.temperature=0", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "rollout.temperature" in result.stderr and "0" in result.stderr, result.stderr
+    result = sbatch_cli("controller", "cluster=local", cwd=tmp_path)
+    assert result.returncode == 2 and "cluster.kind" in result.stderr, result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def submit_by_hand(kind: str, workdir: Path, experiment: str, *args: str) -> str:
+    """Render the script for cluster=slurm_local (job names with the test's prefix) and sbatch it."""
+    script = workdir / f"{kind}.sbatch"
+    overrides = ["cluster=slurm_local", f"run.experiment={experiment}"]
+    write = sbatch_cli(kind, *overrides, "--write", str(script), cwd=workdir)
+    assert write.returncode == 0, write.stderr
+    result = subprocess.run(
+        ["sbatch", "--parsable", str(script), *args], cwd=workdir, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().split(";")[0]
+
+
+def summary_of(output: Path) -> dict:
+    summary = json.loads(output.read_text().strip().splitlines()[-1])
+    assert set(summary) >= SUMMARY_KEYS, summary
+    return summary
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_the_whole_run_as_one_heterogeneous_job_submitted_by_hand(slurm_cluster, job_prefix, tmp_path):
+    if len(slurm_cluster.nodes) < 3:
+        pytest.fail(f"the whole-run hetjob needs 3 nodes (components never share one); {slurm_cluster.nodes}")
+    experiment = job_prefix.removeprefix("hpcrl-").rstrip("-")
+    job_id = submit_by_hand("hetjob", tmp_path, experiment, f"run.root={tmp_path}", *TINY_JOB)
+    rows = wait_for_job(job_id, timeout_s=400, components=3)
+    output = tmp_path / f"hpcrl-{job_id}.out"
+    assert rows[f"{job_id}+0"]["State"] == "COMPLETED", (rows, output.read_text()[-3000:])
+    assert summary_of(output)["steps"] == 3
+    names = {key: row["JobName"] for key, row in rows.items() if "+" in key and "." not in key}
+    assert names == {f"{job_id}+0": job_prefix.rstrip("-")} | {
+        f"{job_id}+{k}": f"{job_prefix}{role}" for k, role in ((1, "server"), (2, "trainer"))
+    }, names
+    steps = {key for key in rows if "." in key}  # the roles ran as srun steps of their own components
+    assert any(key.startswith(f"{job_id}+1.") for key in steps) and any(key.startswith(f"{job_id}+2.") for key in steps)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_the_controller_script_submitted_by_hand_submits_its_workers(slurm_cluster, job_prefix, tmp_path):
+    experiment = job_prefix.removeprefix("hpcrl-").rstrip("-")
+    job_id = submit_by_hand("controller", tmp_path, experiment, f"run.root={tmp_path}", *TINY_JOB)
+    rows = wait_for_job(job_id, timeout_s=400)
+    output = tmp_path / f"hpcrl-{job_id}.out"
+    assert rows[job_id]["State"] == "COMPLETED", (rows, output.read_text()[-3000:])
+    assert summary_of(output)["steps"] == 3
+    workers = subprocess.run(
+        ["sacct", "-X", "-n", "-P", "-o", "JobID,JobName", "-S", "now-1hours", "--name", f"{job_prefix}server"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout.split()
+    assert workers and workers[0].split("|")[0].endswith("+0"), workers  # the workers' heterogeneous job
