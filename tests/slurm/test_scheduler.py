@@ -20,7 +20,7 @@ from hpcrl.launch.slots import PortSlots
 from hpcrl.launch.slurm import SlurmScheduler
 from hpcrl.launch.slurm.task import expand_hostlist
 from hpcrl.rundir import RunDir
-from tests.slurm.conftest import sacct
+from tests.slurm.conftest import sacct, sbatch, wait_for_state
 
 pytestmark = pytest.mark.slurm
 
@@ -258,3 +258,42 @@ def test_a_signalled_controller_cancels_its_jobs(slurm_cluster, job_prefix, tmp_
             controller.wait()
     assert code != 0 and (signum != signal.SIGTERM or code == 143), controller.stderr.read()
     assert queued(job_ids) == []
+
+
+def test_time_in_the_queue_does_not_count_against_the_setup_timeout(slurm_cluster, job_prefix, run_dir, tmp_path):
+    # a job that holds every node for a while: the role's job waits in the queue longer than its setup timeout
+    nodes = len(slurm_cluster.nodes)
+    blocker = sbatch(
+        "#!/bin/bash\nsleep 15\n",
+        name=f"{job_prefix}blocker",
+        workdir=tmp_path,
+        args=(f"--nodes={nodes}", "--exclusive"),
+    )
+    wait_for_state(blocker, "RUNNING")
+    setup_timeout_s = 8.0
+    with scheduler(run_dir, PortSlots({"plain": 1}), slurm_cluster, job_prefix, "per_role") as s:
+        group = s.start(RoleSpec("plain", WORKER, workers=1, setup_timeout_s=setup_timeout_s))
+        started = time.monotonic()
+        (entry,) = group.wait_ready()
+        waited = time.monotonic() - started
+    assert entry.rank == 0
+    assert waited > setup_timeout_s, f"the job should have queued behind the blocker, ready after {waited:.1f} s"
+
+
+def test_a_queue_timeout_fails_a_job_that_waits_too_long(slurm_cluster, job_prefix, run_dir, tmp_path):
+    nodes = len(slurm_cluster.nodes)
+    blocker = sbatch(
+        "#!/bin/bash\nsleep 120\n",
+        name=f"{job_prefix}blocker",
+        workdir=tmp_path,
+        args=(f"--nodes={nodes}", "--exclusive"),
+    )
+    try:
+        wait_for_state(blocker, "RUNNING")
+        with scheduler(run_dir, PortSlots({"plain": 1}), slurm_cluster, job_prefix, "per_role") as s:
+            group = s.start(RoleSpec("plain", WORKER, workers=1, setup_timeout_s=600))
+            group.queue_timeout_s = 3.0  # cluster.queue_timeout_min, in seconds for the test
+            with pytest.raises(TimeoutError, match=r"still PENDING.* in the queue; raise cluster.queue_timeout_min"):
+                group.wait_ready()
+    finally:
+        subprocess.run(["scancel", blocker], timeout=30, check=False)
