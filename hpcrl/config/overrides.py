@@ -13,6 +13,7 @@ import typing
 from pathlib import Path
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import OverrideParseException
 
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import Config
@@ -33,7 +34,17 @@ def check_override_keys(args: list[str], conf_dir: Path) -> None:
     """Raise ConfigError for a ``key=value`` argument whose key is not in the schema."""
     candidates = [a for a in args if "=" in a and not a.startswith("-")]
     groups = {p.name for p in conf_dir.iterdir() if p.is_dir()}
-    for override in OverridesParser.create().parse_overrides(candidates):
+    parser = OverridesParser.create()
+    for line in candidates:
+        try:
+            (override,) = parser.parse_overrides([line])
+        except OverrideParseException as e:
+            key, _, value = line.partition("=")
+            expected = (
+                "a value in Hydra's override syntax: quote one that holds spaces, brackets or a leading '--' "
+                f"(key='a b', key=[\"--x=1\"]); Hydra says: {str(e).splitlines()[0]}"
+            )
+            raise ConfigError(key, value, expected) from e
         key = override.key_or_group
         if key.split(".")[0] == "hydra" or key in groups or "/" in key or override.package is not None:
             continue

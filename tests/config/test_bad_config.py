@@ -35,6 +35,12 @@ CLI_CASES = [
         "algorithm.clip_hihg='0.3' is invalid: expected a key of algorithm: did you mean 'clip_high'?",
     ),
     (["+trainer.lr=1e-4"], "trainer.lr='1e-4' is invalid: expected a key of the root config: did you mean 'train'?"),
+    (
+        ["cluster.extra_sbatch=[--exclusive,--constraint=x]"],
+        "cluster.extra_sbatch='[--exclusive,--constraint=x]' is invalid: expected a value in Hydra's override syntax",
+    ),
+    (["workflow.name=tree_search"], "workflow.name='tree_search' is invalid: expected one of"),
+    (["cluster.submit_mode=array"], "cluster.submit_mode='array' is invalid: expected one of hetjob, per_role, steps"),
 ]
 
 
