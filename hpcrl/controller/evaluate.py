@@ -1,4 +1,5 @@
-"""Held-out evaluation: greedy completions of every held-out prompt, scored by the run's reward."""
+"""Held-out evaluation: greedy completions of every held-out prompt, or the answers a scaffolding controller
+chooses, scored by the run's reward."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import statistics
 from typing import Any
 
 from hpcrl.rollout.client import InferenceClient
+from hpcrl.rollout.scaffold import Controller, Episode
 
 
 async def greedy_accuracy(
@@ -22,4 +24,14 @@ async def greedy_accuracy(
 
     completions = await asyncio.gather(*(one(r) for r in rows))
     outcomes = await rewards.score([(r["prompt"], c, r["answer"]) for r, c in zip(rows, completions, strict=True)])
+    return statistics.fmean(o.value if o.value is not None else 0.0 for o in outcomes)
+
+
+async def controller_accuracy(
+    controller: Controller, tokenizer: Any, rows: list[dict[str, str]], rewards: Any
+) -> float:
+    """Mean reward of the answers a scaffolding controller chooses (with its own sampling parameters)."""
+    episodes = [Episode.of(r["prompt"], r["answer"], tokenizer) for r in rows]
+    results = await asyncio.gather(*(controller.run(e) for e in episodes))
+    outcomes = await rewards.score([(e.prompt, r.text, e.answer) for e, r in zip(episodes, results, strict=True)])
     return statistics.fmean(o.value if o.value is not None else 0.0 for o in outcomes)
