@@ -14,7 +14,11 @@ NEEDS = {
     "allocation/2node_16gpu": ["cluster=slurm"],
     "model/local": ["model.path=/models/some-model"],
     "dataset/files": ["dataset.train_files=[train.jsonl]"],
+    "dataset/gsm8k": ["dataset.train_files=[train.jsonl]"],
+    "experiment/gsm8k": ["dataset.train_files=[train.jsonl]"],
 }
+# options named otherwise in their own field: gsm8k is the files source with GSM8K's columns and template
+NAMES = {"dataset/gsm8k": "files"}
 
 # the field in which each option names itself
 NAMED_BY = {
@@ -55,7 +59,7 @@ def test_every_group_option_composes_and_validates(path):
     cfg = load(f"{group}={option}", *NEEDS.get(f"{group}/{option}", []))
     assert isinstance(cfg, Config)
     if group in NAMED_BY:
-        assert NAMED_BY[group](cfg) == option
+        assert NAMED_BY[group](cfg) == NAMES.get(f"{group}/{option}", option)
 
 
 def test_default_config_is_the_tiny_cpu_job():

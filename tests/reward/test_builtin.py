@@ -29,6 +29,7 @@ def test_mod10_refuses_an_empty_answer():
         ("it is -3.5", "-3.5"),
         ("half: 1 / 2", "1 / 2"),
         ("no numbers here", None),
+        ("48/2 = <<48/2=24>>24 in May, 48+24 = <<48+24=72>>72 in all.\n#### 72", "72"),  # a GSM8K solution
     ],
 )
 def test_extract_answer(text, found):
@@ -47,6 +48,10 @@ def test_extract_answer(text, found):
         ("\\boxed{x^2+1}", "1+x^2"),
         ("3", "Natalia sold 1 + 2 = 3 clips.\n#### 3"),
         ("3", "$\\boxed{3}$"),
+        ("\\boxed{1,000}", "1000"),
+        ("1000", "Betty saves 250 * 4 = <<250*4=1000>>1000.\n#### 1,000"),
+        ("so \\boxed{72}", "48+24 = <<48+24=72>>72 clips.\n#### 72"),
+        ("#### 0.5", "4/8 = <<4/8=0.5>>0.5 of it.\n#### 1/2"),
     ],
 )
 def test_math_verify_matches_equal_answers(completion, answer):
@@ -61,6 +66,9 @@ def test_math_verify_matches_equal_answers(completion, answer):
         ("\\boxed{\\frac{1}{3}}", "0.5"),
         ("13", "3"),
         ("I don't know", "42"),
+        ("#### 71", "48+24 = <<48+24=72>>72 clips.\n#### 72"),
+        ("48 is the first number", "48+24 = <<48+24=72>>72 clips.\n#### 72"),
+        ("\\boxed{100}", "#### 1,000"),
     ],
 )
 def test_math_verify_rejects_wrong_or_missing_answers(completion, answer):

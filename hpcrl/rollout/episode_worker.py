@@ -1,0 +1,280 @@
+"""``python -m hpcrl.rollout.episode_worker [--run-dir DIR] [--rank N]``: one rollout worker (role ``rollout``).
+
+It runs whole episodes for the controller, the workflow's requests and the reward, so that their CPU work
+(tokenizing, workflow logic, reward processes) scales past the controller's one process::
+
+    controller: RemoteEpisodes --run_episode(EpisodeRequest)--> rollout worker r: workflow --HTTP--> inference servers
+                               <----------- Group ------------                    RewardPool (its own processes)
+
+Start-up; a failure exits non-zero with the reason on stderr, which the scheduler writes to
+``logs/rollout-<rank>.log`` and its ``WorkerFailed`` carries to the controller:
+
+1. read the run's ``config.yaml`` and secret (``HPCRL_RUN_DIR`` or ``--run-dir``) and its rank (``HPCRL_RANK``
+   or ``--rank``);
+2. wait until the ``allocation.server.workers`` inference servers have registered (role ``server`` in the
+   run's registry: a server registers once healthy), within the setup timeout: ``cluster.roles.rollout``'s,
+   else the servers' own, since a rollout worker started beside the servers waits for them to load;
+3. load the tokenizer (``model.path``), start the reward pool, build the workflow (``make_workflow``), as
+   the controller would, and check that every server answers /health;
+4. serve RPC on a port of its own slot (``PortSlots`` role ``rollout``: ``HPCRL_PORT_SLOT_BASE`` + rank, so
+   workers started at the same moment never pick the same port), then register ``host:port``: registered
+   means ready.
+
+Threads: the main thread's event loop owns the inference client, the workflow and the ``resumed`` event.
+The RPC server runs its own loop on a thread and hands every ``run_episode`` to the main loop, so any
+number of episodes run at once (``RpcServer`` runs plain handlers one at a time on one thread, as trainer
+collectives need; an episode mostly waits on HTTP).
+
+RPC methods: ``run_episode(EpisodeRequest) -> Group``; ``set_resumed(SetResumed) -> Ack``, cleared by the
+controller before it pauses the servers for a weight update and set after they continue, so samples the
+pause aborted wait rather than resubmit; ``ping(Ping) -> Pong``; ``shutdown``. Messages: ``remote.py``.
+
+Exit: the ``shutdown`` RPC (exit 0) or SIGTERM / SIGINT (exit 128 + the signal): unregister, stop serving
+(requests in flight get the server's shutdown grace), cancel the episodes still running, close the
+client and end the reward processes by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import inspect
+import logging
+import os
+import signal
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from hpcrl.config.errors import ConfigError
+from hpcrl.config.load import load_run_config
+from hpcrl.config.schema import Config
+from hpcrl.launch.addresses import port_range, worker_addresses
+from hpcrl.launch.registry import Entry, Registry
+from hpcrl.launch.slots import RANK_ENV, worker_ports
+from hpcrl.logs import setup_logging
+from hpcrl.rollout.remote import EpisodeRequest, SetResumed
+from hpcrl.rollout.workflow import Group, Workflow
+from hpcrl.rpc.auth import read_token
+from hpcrl.rpc.messages import Ack, ErrorReply, Ping, Pong
+from hpcrl.rpc.server import RpcServer
+from hpcrl.rpc.wire import encode_parts
+from hpcrl.rundir import RunDir
+
+log = logging.getLogger("hpcrl.rollout.episode_worker")
+
+ROLE = "rollout"
+_POLL_S = 0.2  # how often the main loop checks for a signal or a stopped RPC server
+_STOP_S = 15.0  # how long the RPC server gets to stop (its own shutdown grace is 5 s)
+
+
+class _Stopped(Exception):
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"received {signal.Signals(signum).name}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m hpcrl.rollout.episode_worker", description=__doc__.splitlines()[0])
+    p.add_argument("--run-dir", default=os.environ.get("HPCRL_RUN_DIR"), help="run directory (HPCRL_RUN_DIR)")
+    p.add_argument("--rank", type=int, default=os.environ.get(RANK_ENV), help="rank among rollout workers (HPCRL_RANK)")
+    args = p.parse_args(argv)
+    if args.run_dir is None or args.rank is None:
+        p.error("needs the run directory and the rank: pass --run-dir and --rank, or set HPCRL_RUN_DIR and HPCRL_RANK")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    run_dir = RunDir(Path(args.run_dir).absolute())
+    setup_logging(ROLE, args.rank)  # stderr: the scheduler sends it to logs/rollout-<rank>.log
+    try:
+        cfg = load_run_config(run_dir.config_file)
+    except ConfigError as e:
+        log.error("cannot read the run's config: %s", e)
+        return 2
+    logging.getLogger().setLevel(cfg.run.log_level)
+    token = read_token(run_dir.path)
+    try:
+        servers = wait_for_servers(cfg, run_dir)
+    except TimeoutError as e:
+        log.error(
+            "the inference servers did not register: %s (a rollout worker waits for them as long as "
+            "cluster.roles.rollout.setup_timeout_s, else cluster.roles.server.setup_timeout_s)",
+            e,
+        )
+        return 1
+    from transformers import AutoTokenizer
+
+    from hpcrl.reward.pool import RewardPool
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    with RewardPool(cfg.reward.fn, cfg.reward.workers, cfg.reward.timeout_s) as rewards:
+        return asyncio.run(serve(cfg, run_dir, args.rank, token, servers, tokenizer, rewards))
+
+
+def setup_timeout(cfg: Config) -> float:
+    """Seconds this worker gets to become ready: cluster.roles.rollout's, else the servers' (it waits for them)."""
+    roles = cfg.cluster.roles
+    return (roles.get(ROLE) or roles["server"]).setup_timeout_s
+
+
+def wait_for_servers(cfg: Config, run_dir: RunDir) -> list[str]:
+    """The inference servers' addresses, by rank, once every one has registered."""
+    count, timeout_s = cfg.allocation.server.workers, setup_timeout(cfg)
+    log.info("waiting up to %g s for %d inference servers to register in %s", timeout_s, count, run_dir.registry)
+    entries = Registry(run_dir.registry).wait("server", count, timeout_s)
+    return [e.address for e in entries]
+
+
+async def serve(
+    cfg: Config, run_dir: RunDir, rank: int, token: str, servers: list[str], tokenizer: Any, rewards: Any
+) -> int:
+    """Serve episodes until ``shutdown`` or a signal; returns the exit status."""
+    from hpcrl.rollout.client import InferenceClient
+    from hpcrl.rollout.workflows import make_workflow
+
+    signals = _catch_signals()
+    resumed = asyncio.Event()
+    resumed.set()
+    try:
+        async with InferenceClient(servers, request_timeout_s=cfg.rollout.request_timeout_s) as client:
+            poll_s = cfg.inference.health_poll_s
+            await client.wait_healthy(setup_timeout(cfg), check_alive=lambda: _check(signals), poll_s=poll_s)
+            workflow = make_workflow(cfg, client, tokenizer, rewards, resumed)
+            service = EpisodeService(workflow, resumed, asyncio.get_running_loop(), rank)
+            await _serve_registered(cfg, run_dir, rank, token, service, signals)
+            log.info("stopped after %d episodes", service.served)
+    except _Stopped as e:
+        log.info("%s while starting", e)
+    return 128 + signals[0] if signals else 0
+
+
+async def _serve_registered(
+    cfg: Config, run_dir: RunDir, rank: int, token: str, service: EpisodeService, signals: list[int]
+) -> None:
+    advertised, bind = worker_addresses(cfg.cluster.net)
+    port = worker_ports(port_range(cfg.cluster.net)).allocate(1)[0]
+    server = EpisodeRpcServer(service.handlers(), token, rank, host=bind, port=port, advertise_host=advertised)
+    server.start_in_thread()
+    registered = Registry(run_dir.registry).register(Entry(ROLE, rank, advertised, port))
+    log.info("ready: rollout RPC at %s (registered in %s)", server.address, registered)
+    try:
+        while not signals and not _stopped(server):
+            await asyncio.sleep(_POLL_S)
+    finally:
+        registered.unlink(missing_ok=True)  # an entry must not outlive the server it names
+        server.stop()
+        await _wait_stopped(server)
+        await service.cancel_running()
+    if signals:
+        log.info("received %s", signal.Signals(signals[0]).name)
+    with contextlib.suppress(TimeoutError):  # one that would not stop was logged by _wait_stopped
+        server.serve_until_stopped(timeout_s=0)  # raises what stopped the server, if it failed
+
+
+class EpisodeService:
+    """The worker's RPC handlers; episodes and ``resumed`` live on the main loop, ``loop``."""
+
+    def __init__(self, workflow: Workflow, resumed: asyncio.Event, loop: asyncio.AbstractEventLoop, rank: int):
+        self.workflow, self.resumed, self.loop, self.rank = workflow, resumed, loop, rank
+        self.served = 0  # episodes that returned a group
+        self._running: set[asyncio.Task] = set()
+
+    def handlers(self) -> dict[str, Any]:
+        return {"run_episode": self.run_episode, "set_resumed": self.set_resumed, "ping": self.ping}
+
+    async def run_episode(self, request: EpisodeRequest) -> Group:
+        return await self._on_main_loop(self._episode(request))
+
+    async def set_resumed(self, request: SetResumed) -> Ack:
+        await self._on_main_loop(self._set_resumed(request.resumed))
+        return Ack()
+
+    def ping(self, request: Ping) -> Pong:
+        return Pong(self.rank, os.getpid())
+
+    async def cancel_running(self) -> None:
+        """Cancel the episodes still running (their callers are gone) and wait until they have ended."""
+        for task in self._running:
+            task.cancel()
+        await asyncio.gather(*self._running, return_exceptions=True)
+
+    async def _on_main_loop(self, coro: Any) -> Any:
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+    async def _episode(self, request: EpisodeRequest) -> Group:
+        task = asyncio.current_task()
+        assert task is not None
+        self._running.add(task)
+        try:
+            group = await self.workflow.run(request.prompt, request.answer)
+        finally:
+            self._running.discard(task)
+        self.served += 1
+        return group
+
+    async def _set_resumed(self, resumed: bool) -> None:
+        if resumed:
+            self.resumed.set()
+        else:
+            self.resumed.clear()
+        log.debug("generation %s", "resumed" if resumed else "paused")
+
+
+class EpisodeRpcServer(RpcServer):
+    """An RpcServer whose coroutine handlers run on its event loop as their requests come, concurrently.
+
+    Plain handlers (``ping``, ``shutdown``) still run one at a time on the handler thread, which the
+    coroutines never occupy, so a ping is answered however many episodes run.
+    """
+
+    async def _run(self, method: str, handler: Any, msg: Any) -> tuple[int, list]:
+        if not inspect.iscoroutinefunction(handler):
+            return await super()._run(method, handler, msg)
+        try:
+            return 200, encode_parts(await handler(msg))
+        except Exception as e:
+            log.exception("handler for %s failed", method)
+            text = "".join(traceback.format_exception(e))
+            return 500, encode_parts(ErrorReply(self.rank, method, type(e).__name__, str(e), text))
+
+
+def _catch_signals() -> list[int]:
+    """SIGTERM and SIGINT, recorded (in the order they came) for the main loop to act on between steps."""
+    received: list[int] = []
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, received.append, signum)
+    return received
+
+
+def _check(signals: list[int]) -> None:
+    if signals:
+        raise _Stopped(signals[0])
+
+
+def _stopped(server: RpcServer) -> bool:
+    """Whether the RPC server has stopped: a ``shutdown`` request, ``stop()``, or a failure."""
+    try:
+        server.serve_until_stopped(timeout_s=0)
+    except TimeoutError:
+        return False
+    except RuntimeError:  # it failed: raised again once the worker has cleaned up
+        return True
+    return True
+
+
+async def _wait_stopped(server: RpcServer) -> None:
+    deadline = time.monotonic() + _STOP_S
+    while not _stopped(server):
+        if time.monotonic() > deadline:
+            log.warning("the RPC server at %s did not stop within %g s; exiting anyway", server.address, _STOP_S)
+            return
+        await asyncio.sleep(0.05)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
