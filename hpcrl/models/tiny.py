@@ -1,8 +1,8 @@
 """``python -m hpcrl.models.tiny OUT_DIR``: write a tiny Qwen2-style causal LM and a character tokenizer.
 
 The model is built from a config (no download) and saved in the Hugging Face layout, so the real
-loading path (``AutoModelForCausalLM/AutoTokenizer.from_pretrained(OUT_DIR)``) is what every test and
-the default job exercise. One token per character keeps the tokenizer exact and reversible: a
+loading path (``AutoModelForCausalLM.from_pretrained(OUT_DIR)``, ``load_tokenizer(OUT_DIR)``) is what every
+test and the default job exercise. One token per character keeps the tokenizer exact and reversible: a
 multi-turn conversation never drifts when re-tokenised.
 """
 
@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import string
 from pathlib import Path
+
+from hpcrl.models.tokenizer import mark_exact
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARACTERS = string.digits + string.ascii_letters + string.punctuation + " \n"
@@ -74,6 +76,7 @@ def make_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    mark_exact(out)  # loaded as saved, not rebuilt as a byte-level Qwen2 tokenizer (tokenizer.py)
     return out
 
 

@@ -106,11 +106,10 @@ def main(argv: list[str] | None = None) -> int:
             e,
         )
         return 1
-    from transformers import AutoTokenizer
-
+    from hpcrl.models.tokenizer import load_tokenizer
     from hpcrl.reward.pool import RewardPool
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    tokenizer = load_tokenizer(cfg.model.path)
     with RewardPool(cfg.reward.fn, cfg.reward.workers, cfg.reward.timeout_s) as rewards:
         return asyncio.run(serve(cfg, run_dir, args.rank, token, servers, tokenizer, rewards))
 

@@ -9,7 +9,6 @@ import time
 
 import psutil
 import pytest
-from transformers import AutoTokenizer
 
 from hpcrl.config.load import dump_config
 from hpcrl.config.schema import (
@@ -29,6 +28,7 @@ from hpcrl.launch.base import RoleSpec, WorkerFailed
 from hpcrl.launch.local import LocalScheduler
 from hpcrl.launch.registry import Entry, Registry
 from hpcrl.launch.slots import PortSlots
+from hpcrl.models.tokenizer import load_tokenizer
 from hpcrl.reward.builtin import mod10
 from hpcrl.rollout.remote import NoRolloutWorkers, RemoteEpisodes, RolloutWorkerError, RolloutWorkerLost
 from hpcrl.rollout.workflow import Group, Sample
@@ -120,7 +120,7 @@ def test_a_group_crosses_the_wire_unchanged():
 
 def test_two_workers_start_at_once_on_their_own_ports_and_both_run_episodes(tiny_model, server, tmp_path):
     run_dir, token = make_run(tmp_path, tiny_model, server.address)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer = load_tokenizer(tiny_model)
     scheduler, spec, slots = rollout_workers(run_dir)
     with scheduler:
         group = scheduler.start(spec)  # both spawned back to back
@@ -171,7 +171,7 @@ def test_two_workers_start_at_once_on_their_own_ports_and_both_run_episodes(tiny
 
 def test_a_killed_worker_fails_only_its_own_episodes(tiny_model, server, tmp_path):
     run_dir, token = make_run(tmp_path, tiny_model, server.address)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer = load_tokenizer(tiny_model)
     scheduler, spec, _ = rollout_workers(run_dir)
     with scheduler:
         group = scheduler.start(spec)

@@ -7,11 +7,11 @@ The functions at the top are rewards and verifiers for the reward processes, nam
 import asyncio
 
 import pytest
-from transformers import AutoTokenizer
 
 from hpcrl.config.schema import AlgorithmConfig, Config, RewardConfig, RolloutConfig, WorkflowConfig
 from hpcrl.controller.evaluate import controller_accuracy
 from hpcrl.models.tiny import make_tokenizer
+from hpcrl.models.tokenizer import load_tokenizer
 from hpcrl.reward.builtin import extract_answer
 from hpcrl.reward.outcome import RewardOutcome
 from hpcrl.reward.pool import RewardPool
@@ -262,7 +262,7 @@ def make_workflow(name, client, tokenizer, rewards, resumed, reward_fn=TAGGED):
 
 async def on_server(server, tiny_model, name, scenario, reward_fn=TAGGED):
     """Run ``scenario(workflow, client, tokenizer, rewards)`` with a real client, reward pool and verifier pool."""
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer = load_tokenizer(tiny_model)
     resumed = asyncio.Event()
     resumed.set()
     with RewardPool(reward_fn, workers=1) as rewards:

@@ -5,8 +5,9 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
+from hpcrl.models.tokenizer import load_tokenizer
 from hpcrl.rollout.weight_group import open_weight_group, send_tensors
 
 LONG = 6000  # new tokens no server here can produce in the second before a test interrupts them
@@ -14,7 +15,7 @@ PROMPTS = ["3+4=", "12+7=", "hello", "9+9=", "a", "0+0=", "The cat", "5+"]
 
 
 def _reference(model_dir):
-    return AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
+    return AutoModelForCausalLM.from_pretrained(model_dir).eval(), load_tokenizer(model_dir)
 
 
 def _greedy_ids(model, tok, prompt, max_new_tokens):

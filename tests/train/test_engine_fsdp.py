@@ -87,17 +87,16 @@ def test_resume_from_the_sharded_checkpoint_is_bit_identical(runs):
 
 
 def test_export_hf_loads_with_from_pretrained_and_holds_the_trained_weights(runs):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.models.tokenizer import load_tokenizer
 
     model, out = runs
     exported = AutoModelForCausalLM.from_pretrained(out / "export")
     trained = load_file(out / "varying_w2.safetensors")
     state = exported.state_dict()
     assert all(torch.equal(state[k], trained[k]) for k in trained)
-    assert (
-        AutoTokenizer.from_pretrained(out / "export")("a+b=")["input_ids"]
-        == AutoTokenizer.from_pretrained(model)("a+b=")["input_ids"]
-    )
+    assert load_tokenizer(out / "export")("a+b=")["input_ids"] == load_tokenizer(model)("a+b=")["input_ids"]
 
 
 def test_sharded_token_logprobs_match_the_plain_model(runs):

@@ -35,10 +35,12 @@ class BatchState:
 
 class ModelRunner:
     def __init__(self, model_path: str, dtype: str = "float32", seed: int = 0):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
+
+        from hpcrl.models.tokenizer import load_tokenizer
 
         self.model_path = model_path
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer = load_tokenizer(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype]).eval()
         self.generator = torch.Generator().manual_seed(seed)
         config = self.model.config

@@ -181,14 +181,14 @@ def group_phase(engine: Engine, tok, address: str, port: int, out: Path, info: D
 
 
 def main() -> None:
-    from transformers import AutoTokenizer
+    from hpcrl.models.tokenizer import load_tokenizer
 
     model, address, port, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
     setup_logging("trainer", os.environ.get("RANK", "0"), "WARNING")
     info = init_distributed(timeout_s=120)
     engine = Engine(model, TRAIN, dist=info)
     engine.setup()
-    tok = AutoTokenizer.from_pretrained(model)
+    tok = load_tokenizer(model)
     result = {"specs_at_setup": weight_specs(engine)}
     result["disk"] = disk_phase(engine, tok, address, out, info)
     result["group"] = group_phase(engine, tok, address, port, out, info)
