@@ -2,7 +2,8 @@
 
 Composes the config with Hydra (``conf/``), validates it before anything starts, makes the run
 directory ``<run.root>/<run.experiment>/<run.trial>/``, runs the job (``hpcrl.controller.job``) and
-ends with one JSON line on stdout: steps, wall_s, eval_accuracy_before, eval_accuracy_after, run_dir. With ``-m
+ends with one JSON line on stdout: steps, wall_s, eval_accuracy_before, eval_accuracy_after, run_dir (and
+resumed_from_step when ``recover.mode=auto`` resumed from a checkpoint). With ``-m
 hydra/launcher=submitit_slurm`` the same function runs as a Slurm job; the config is validated in
 the submitting process first (``hpcrl.config.hydra.ValidateBeforeLaunch``).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import hydra
@@ -46,9 +48,20 @@ def run(dcfg: DictConfig) -> None:
         log.info("run.dry_run=true: the config is valid and written to %s; nothing was started", run_dir.config_file)
         return
     from hpcrl.controller.job import run_job
+    from hpcrl.controller.preempt import Preempted, PreemptionGuard, restarted_by_slurm
 
+    if restarted_by_slurm() and cfg.recover.mode != "auto":
+        log.info("this Slurm job was requeued: it resumes from its last checkpoint (recover.mode=auto)")
+        cfg = replace(cfg, recover=replace(cfg.recover, mode="auto"))
     try:
-        summary = run_job(cfg, run_dir)
+        with PreemptionGuard() as guard:
+            try:
+                summary = run_job(cfg, run_dir, guard)
+            except Preempted as e:  # every worker is stopped by now; the checkpoint is complete
+                log.warning("%s: requeueing the job, which resumes from there", e)
+                guard.requeue()
+                print(f"hpcrl: {e}; not requeued (not in a Slurm job): rerun with recover.mode=auto", file=sys.stderr)
+                sys.exit(3)
     except (Exception, KeyboardInterrupt) as e:  # every worker is stopped by now; say why, then fail
         log.error("the run failed: %s", e, exc_info=not isinstance(e, KeyboardInterrupt))
         print(f"hpcrl: the run failed ({type(e).__name__}): {e}", file=sys.stderr)

@@ -47,10 +47,12 @@ def validate(cfg: Config) -> Config:
     check_train(cfg.train)
     check_rollout(cfg.rollout)
     check_workflow(cfg.workflow)
+    check_workflow_groups(cfg.workflow, cfg.algorithm.group_size)
     check_inference(cfg.inference)
     check_reward(cfg.reward)
     check_eval(cfg.eval)
     require(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", cfg.checkpoint.every_steps, "an integer >= 0")
+    check_recover(cfg)
     warn_ignored(cfg)
     return replace(cfg, allocation=allocation)
 
@@ -84,6 +86,11 @@ def check_cluster(c: ClusterConfig) -> None:
     require(c.controller.cpus >= 1, "cluster.controller.cpus", c.controller.cpus, "an integer >= 1")
     require(c.controller.mem_gb >= 0, "cluster.controller.mem_gb", c.controller.mem_gb, "GiB >= 0")
     require(c.controller.time_min >= 0, "cluster.controller.time_min", c.controller.time_min, "minutes >= 0")
+    delay = c.controller.signal_delay_s
+    require(delay >= 1, "cluster.controller.signal_delay_s", delay, "seconds >= 1 (the checkpoint's head start)")
+    require(
+        c.controller.max_requeues >= 0, "cluster.controller.max_requeues", c.controller.max_requeues, "an integer >= 0"
+    )
     check_net(c.net)
 
 
@@ -195,6 +202,7 @@ def check_rollout(r: RolloutConfig) -> None:
     require(r.max_concurrent >= 1, "rollout.max_concurrent", r.max_concurrent, "an integer >= 1")
     require(r.max_staleness >= 0, "rollout.max_staleness", r.max_staleness, "an integer >= 0")
     require(r.request_timeout_s > 0, "rollout.request_timeout_s", r.request_timeout_s, "seconds > 0")
+    require(r.workers >= 0, "rollout.workers", r.workers, "an integer >= 0 (0 = episodes run in the controller)")
 
 
 def check_workflow(w: WorkflowConfig) -> None:
@@ -205,6 +213,17 @@ def check_workflow(w: WorkflowConfig) -> None:
     require(not w.verifier or ":" in w.verifier, "workflow.verifier", w.verifier, '"" or "module:function"')
     require(len(w.stages) >= 1, "workflow.stages", w.stages, "a list of at least one prompt template")
     one_of("workflow.train_on", w.train_on, ("all", "chosen"))
+
+
+def check_workflow_groups(w: WorkflowConfig, group_size: int) -> None:
+    """A scaffold training on all its candidates needs a group size that is a multiple of workflow.n."""
+    if w.name in ("best_of_n", "majority_vote") and w.train_on == "all" and group_size % w.n:
+        raise ConfigError(
+            "workflow.n",
+            w.n,
+            f"a divisor of algorithm.group_size={group_size}: workflow.train_on=all trains on every candidate "
+            "of each run (or set workflow.train_on=chosen)",
+        )
 
 
 def check_inference(i: InferenceConfig) -> None:
@@ -228,6 +247,12 @@ def check_reward(r: RewardConfig) -> None:
 def check_eval(e: EvalConfig) -> None:
     require(e.every_steps >= 0, "eval.every_steps", e.every_steps, "an integer >= 0 (0 = before and after only)")
     require(0 <= e.stop_at_accuracy <= 1, "eval.stop_at_accuracy", e.stop_at_accuracy, "a fraction in [0, 1]")
+
+
+def check_recover(cfg: Config) -> None:
+    one_of("recover.mode", cfg.recover.mode, ("off", "auto"))
+    if cfg.recover.mode == "auto" and cfg.checkpoint.every_steps == 0:
+        log.warning("recover.mode=auto with checkpoint.every_steps=0: this run writes no checkpoint to resume from")
 
 
 def warn_ignored(cfg: Config) -> None:

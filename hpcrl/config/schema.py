@@ -80,6 +80,8 @@ class ControllerJob:
     time_min: int = 0  # time limit of the controller job in minutes; 0 = cluster.time_min
     cpus: int = 2  # CPU cores of the controller job
     mem_gb: float = 8.0  # memory of the controller job in GiB
+    signal_delay_s: int = 60  # Slurm sends USR2 this long before the time limit: checkpoint, then requeue
+    max_requeues: int = 3  # times the controller job may requeue itself at its time limit (preemptions: always)
 
 
 @dataclass
@@ -168,6 +170,7 @@ class RolloutConfig:
     max_staleness: int = 0  # max policy versions an episode may lag the trainer; 0 = synchronous
     request_timeout_s: float = 120.0  # deadline of one generate request
     stop: list[str] = field(default_factory=list)  # stop strings sent with every rollout request
+    workers: int = 0  # rollout worker processes running episodes (workflow + reward); 0 = in the controller
 
 
 @dataclass
@@ -202,6 +205,11 @@ class CheckpointConfig:
 
 
 @dataclass
+class RecoverConfig:
+    mode: str = "off"  # off: start from step 1 | auto: resume from the run directory's newest complete checkpoint
+
+
+@dataclass
 class InferenceConfig:
     mem_fraction_static: float = 0.85  # sglang: share of GPU memory for weights and KV cache
     max_running_requests: int = 256  # the most sequences one server decodes together (one batch)
@@ -225,3 +233,4 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)  # how completions are scored
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation and early stop
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # resumable checkpoints
+    recover: RecoverConfig = field(default_factory=RecoverConfig)  # resuming a run from its checkpoints

@@ -13,16 +13,20 @@ scheduler's context manager, which ends every worker's process tree; the error n
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import sys
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from hpcrl.config.load import dump_config
-from hpcrl.config.schema import Config
+from hpcrl.config.schema import Config, RoleAllocation, RoleResources
 from hpcrl.controller.loop import Loop, Workers
 from hpcrl.controller.metrics import plot
+from hpcrl.controller.preempt import PreemptionGuard
 from hpcrl.controller.progress import Progress
 from hpcrl.controller.trainers import Trainers
 from hpcrl.controller.weights import WeightSync
@@ -38,7 +42,7 @@ from hpcrl.rundir import RunDir
 log = logging.getLogger(__name__)
 
 
-def run_job(cfg: Config, run_dir: RunDir) -> dict[str, Any]:
+def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None) -> dict[str, Any]:
     from hpcrl.data import load_splits
 
     train, held_out = load_splits(cfg.dataset, cfg.run.seed)
@@ -48,38 +52,45 @@ def run_job(cfg: Config, run_dir: RunDir) -> dict[str, Any]:
     run_dir.write_config(dump_config(cfg))
     token = read_token(run_dir.path) if (run_dir.path / "secret").exists() else create_token(run_dir.path)
     alloc = cfg.allocation
-    slots = PortSlots({"server": alloc.server.workers, "trainer": alloc.trainer.workers})
+    counts = {"server": alloc.server.workers, "trainer": alloc.trainer.workers, "rollout": cfg.rollout.workers}
+    slots = PortSlots({role: n for role, n in counts.items() if n})
     with (
         make_scheduler(cfg, run_dir, slots) as scheduler,
         RewardPool(cfg.reward.fn, cfg.reward.workers, cfg.reward.timeout_s) as rewards,
     ):
-        servers, trainers = scheduler.start_all([server_spec(cfg), trainer_spec(cfg)])
+        servers, trainers, *rollouts = scheduler.start_all([server_spec(cfg), trainer_spec(cfg), *rollout_specs(cfg)])
         server_entries = servers.wait_ready()
         trainer_entries = trainers.wait_ready()
+        rollout_entries = rollouts[0].wait_ready() if rollouts else []
 
         def check_alive() -> None:
             servers.check_alive()
             trainers.check_alive()
 
         workers = Workers(None, None, rewards, check_alive)  # client and trainers are opened below
-        addresses = ([e.address for e in server_entries], [e.address for e in trainer_entries])
-        summary = asyncio.run(_drive(cfg, run_dir, workers, addresses, token, scheduler, train_rows, eval_rows))
+        addresses = [[e.address for e in entries] for entries in (server_entries, trainer_entries, rollout_entries)]
+        rows = (train_rows, eval_rows)
+        summary = asyncio.run(_drive(cfg, run_dir, workers, addresses, token, scheduler, rows, preempt))
     plot(run_dir.path / "metrics.jsonl", run_dir.path / "metrics.png")
     return {**summary, "run_dir": str(run_dir.path)}
 
 
-async def _drive(cfg, run_dir, workers, addresses, token, scheduler, train_rows, eval_rows) -> dict[str, Any]:
-    from transformers import AutoTokenizer
+async def _drive(cfg, run_dir, workers, addresses, token, scheduler, rows, preempt) -> dict[str, Any]:
+    train_rows, eval_rows = rows
+    from hpcrl.models.tokenizer import load_tokenizer
 
-    server_addresses, trainer_addresses = addresses
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    server_addresses, trainer_addresses, rollout_addresses = addresses
+    tokenizer = load_tokenizer(cfg.model.path)
     async with (
         InferenceClient(server_addresses, request_timeout_s=cfg.rollout.request_timeout_s) as client,
         Trainers(trainer_addresses, token, cfg.rollout.temperature) as trainers,
+        _episodes(rollout_addresses, token) as episodes,
     ):
-        workers.client, workers.trainers = client, trainers
+        workers.client, workers.trainers, workers.episodes = client, trainers, episodes
         loop = Loop(cfg, workers, tokenizer, train_rows, eval_rows, run_dir)
+        loop.preempt = preempt
         sync = WeightSync(cfg.train.weight_sync, client, trainers, loop.resumed, run_dir.path / "weights")
+        sync.episodes = episodes
         if cfg.train.weight_sync == "distributed":
             await sync.setup(_controller_host(cfg), scheduler.ports.allocate(1)[0])
         with Progress(cfg.run.max_steps) as progress:
@@ -87,6 +98,9 @@ async def _drive(cfg, run_dir, workers, addresses, token, scheduler, train_rows,
             summary = await loop.run(sync)
         await sync.close()
         await trainers.shutdown()
+        if episodes is not None:
+            log.info("episodes each rollout worker ran, by rank: %s", json.dumps(episodes.completed))
+            await episodes.shutdown()
     return summary
 
 
@@ -109,8 +123,34 @@ def trainer_spec(cfg: Config) -> RoleSpec:
     return _role_spec(cfg, "trainer", "hpcrl.train.worker", torchrun=True, env={"OMP_NUM_THREADS": "1"})
 
 
+def rollout_specs(cfg: Config) -> list[RoleSpec]:
+    """The rollout workers' role, when ``rollout.workers`` > 0: episodes (workflow and reward) run there.
+
+    They wait for the servers themselves, so they start with them; each runs ``reward.workers`` reward
+    processes, so on Slurm give the role that many CPUs and one more (``cluster.roles.rollout``).
+    """
+    if not cfg.rollout.workers:
+        return []
+    return [_role_spec(cfg, "rollout", "hpcrl.rollout.episode_worker", env={"OMP_NUM_THREADS": "1"})]
+
+
+@contextlib.asynccontextmanager
+async def _episodes(addresses: list[str], token: str) -> AsyncIterator[Any]:
+    """``RemoteEpisodes`` to the rollout workers, or None when the controller runs the episodes itself."""
+    if not addresses:
+        yield None
+        return
+    from hpcrl.rollout.remote import RemoteEpisodes
+
+    async with RemoteEpisodes(addresses, token) as episodes:
+        yield episodes
+
+
 def _role_spec(cfg: Config, role: str, module: str, torchrun: bool = False, env: dict | None = None) -> RoleSpec:
-    alloc, res = getattr(cfg.allocation, role), cfg.cluster.roles[role]
+    res = cfg.cluster.roles.get(role) or _default_resources(cfg, role)
+    alloc = getattr(cfg.allocation, role, None) or RoleAllocation(
+        "cpu", cfg.rollout.workers, gpus_per_worker=0, nodes=1
+    )
     return RoleSpec(
         role,
         [sys.executable, "-m", module],
@@ -152,11 +192,23 @@ def prepare_model(cfg: Config, run_dir: RunDir, rows: list[dict[str, str]]) -> P
     )
 
 
+def _default_resources(cfg: Config, role: str) -> RoleResources:
+    """A role the cluster names no resources for (rollout): a CPU per reward process and one more, and the
+    servers' setup timeout, since rollout workers wait for the servers."""
+    server = cfg.cluster.roles.get("server") or RoleResources()
+    return RoleResources(setup_timeout_s=server.setup_timeout_s, cpus_per_worker=cfg.reward.workers + 1)
+
+
 def workflow_text(cfg: Config) -> list[str]:
     """Text the workflow puts into trajectories besides the rows: multi-turn feedback, pipeline stages
     (their ``{field}`` names too, a few unused tokens that keep this simple)."""
     w = cfg.workflow
-    return {"multi_turn": [w.feedback], "pipeline": list(w.stages)}.get(w.name, [])
+    if w.name == "multi_turn":  # the feedback as the model sees it: a user turn in the chat template
+        from hpcrl.models.tiny import make_tokenizer
+        from hpcrl.rollout.multi_turn import feedback_text
+
+        return [feedback_text(make_tokenizer(), w.feedback)]
+    return list(w.stages) if w.name == "pipeline" else []
 
 
 def _controller_host(cfg: Config) -> str:

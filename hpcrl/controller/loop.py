@@ -4,16 +4,19 @@ Waits: the loop waits on the rollout executor for a batch of accepted groups, th
 (every rank, one RPC each), then on the weight sync (servers paused, weights pushed, resumed). A
 watchdog checks every second that every worker process is alive; if one dies, the loop is cancelled
 and the watchdog's error (naming the worker) is raised.
+
+Checkpoints and resuming (``recovery.py``): every ``checkpoint.every_steps`` steps the loop saves the
+controller's state and the trainers' after the step's eval. With ``recover.mode=auto`` it starts from the
+newest complete checkpoint: the trainers load it and the servers get its weights before the first rollout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +24,9 @@ from hpcrl.config.schema import Config
 from hpcrl.controller.batch import rollout_stats, shard, to_sequences
 from hpcrl.controller.evaluate import greedy_accuracy
 from hpcrl.controller.metrics import MetricsLog
+from hpcrl.controller.preempt import Preempted, PreemptionGuard
+from hpcrl.controller.recovery import Checkpoints, ControllerState, find_checkpoint, rng_states, set_rng_states
+from hpcrl.controller.rows import TrainingRows
 from hpcrl.controller.weights import WeightSync
 from hpcrl.reward.outcome import RewardError
 from hpcrl.rollout.client import InferenceClient
@@ -37,15 +43,7 @@ class Workers:
     trainers: Any  # controller.trainers.Trainers: RPC to every trainer rank
     rewards: Any  # reward.pool.RewardPool
     check_alive: Callable[[], None]  # raises naming the worker when one has died
-
-
-def endless(rows: list[dict[str, str]], seed: int) -> Iterator[dict[str, str]]:
-    """The training rows, reshuffled every epoch."""
-    rng = random.Random(seed)
-    while True:
-        order = list(rows)
-        rng.shuffle(order)
-        yield from order
+    episodes: Any = None  # rollout.remote.RemoteEpisodes when rollout workers run the episodes, else None
 
 
 class Loop:
@@ -55,7 +53,12 @@ class Loop:
         self.resumed = asyncio.Event()
         self.resumed.set()
         self.counters = {"reward_errors": 0, "groups_dropped": 0, "groups_equal_reward": 0}
+        self.rows = TrainingRows(train_rows, cfg.run.seed)  # the rollout's rows, from a position checkpoints keep
+        self.checkpoints = Checkpoints(run_dir.checkpoints)
+        self.executor: RolloutExecutor | None = None  # while the loop runs
+        self.accuracy_before = self.accuracy = 0.0  # held-out accuracy before step 1, and the latest measured
         self.progress: Callable[[int, dict[str, Any]], None] = lambda step, metrics: None
+        self.preempt: PreemptionGuard | None = None  # notes Slurm's preemption or time-limit signal
 
     async def run(self, sync: WeightSync) -> dict[str, Any]:
         """Train until run.max_steps or eval.stop_at_accuracy; return the summary."""
@@ -66,7 +69,7 @@ class Loop:
             task.cancel()
         await asyncio.gather(main, watchdog, return_exceptions=True)
         finished = done.pop()
-        if finished.exception() is not None:
+        if finished.exception() is not None and not isinstance(finished.exception(), Preempted):
             await self._blame_dead_worker(finished.exception())
         return finished.result()
 
@@ -90,35 +93,65 @@ class Loop:
 
     async def _train(self, sync: WeightSync) -> dict[str, Any]:
         cfg, start = self.cfg, time.monotonic()
-        accuracy_before = await self.evaluate()
-        log.info("held-out accuracy before training: %.3f", accuracy_before)
-        executor = self._executor()
-        metrics_log = MetricsLog(self.run_dir.path)
+        executor = self.executor = self._executor()
+        restored = await self._begin(executor, sync)
+        done = restored.step if restored else 0
+        # under recover.mode=auto an interrupted run may have logged steps past ``done``: they run again
+        metrics_log = MetricsLog(self.run_dir.path, keep_until=done if cfg.recover.mode == "auto" else None)
         executor.start()
-        accuracy, step = accuracy_before, 0
+        step, metrics = done, {}
         try:
-            for step in range(1, cfg.run.max_steps + 1):
+            for step in range(done + 1, cfg.run.max_steps + 1):
                 metrics = await self._step(step, executor, sync)
                 if self._eval_due(step):
-                    accuracy = metrics["eval_accuracy"] = await self.evaluate()
+                    self.accuracy = metrics["eval_accuracy"] = await self.evaluate()
                 if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
                     metrics["time_checkpoint_s"] = await self._checkpoint(step)
                 metrics_log.log(step, metrics)
                 self.progress(step, metrics)
-                if cfg.eval.stop_at_accuracy and "eval_accuracy" in metrics and accuracy >= cfg.eval.stop_at_accuracy:
-                    log.info("held-out accuracy %.3f reached eval.stop_at_accuracy at step %d", accuracy, step)
+                if self.preempt is not None and self.preempt.requested:
+                    await self._stop_for_preemption(step, checkpointed="time_checkpoint_s" in metrics)
+                target = cfg.eval.stop_at_accuracy
+                if target and "eval_accuracy" in metrics and self.accuracy >= target:
+                    log.info("held-out accuracy %.3f reached eval.stop_at_accuracy at step %d", self.accuracy, step)
                     break
         finally:
             await executor.close()
             metrics_log.close()
         if "eval_accuracy" not in metrics:
-            accuracy = await self.evaluate()
-        return {
+            self.accuracy = await self.evaluate()
+        summary = {
             "steps": step,
             "wall_s": round(time.monotonic() - start, 2),
-            "eval_accuracy_before": accuracy_before,
-            "eval_accuracy_after": accuracy,
+            "eval_accuracy_before": self.accuracy_before,
+            "eval_accuracy_after": self.accuracy,
         }
+        return {**summary, "resumed_from_step": done} if restored else summary
+
+    async def _begin(self, executor: RolloutExecutor, sync: WeightSync) -> ControllerState | None:
+        """Resume from the newest complete checkpoint (recover.mode=auto), or measure the accuracy before step 1."""
+        found = find_checkpoint(self.cfg.recover.mode, self.checkpoints)
+        if found is None:
+            self.accuracy_before = self.accuracy = await self.evaluate()
+            log.info("held-out accuracy before training: %.3f", self.accuracy_before)
+            return None
+        path, state = found
+        await self.w.trainers.load_checkpoint(path)
+        # before any rollout, so every token's version (and staleness) goes on from the checkpoint's
+        await sync.push(state.weight_version)
+        executor.restore(state.weight_version, batches_trained=state.step, rejected_total=state.groups_rejected)
+        self.rows.restore(state.rows)
+        self.counters.update(state.counters)
+        set_rng_states(state.rng)
+        self.accuracy_before, self.accuracy = state.eval_accuracy_before, state.eval_accuracy_last
+        log.info(
+            "resumed at step %d (weights version %d); training steps %d..%d",
+            state.step,
+            state.weight_version,
+            state.step + 1,
+            self.cfg.run.max_steps,
+        )
+        return state
 
     async def _step(self, step: int, executor: RolloutExecutor, sync: WeightSync) -> dict[str, Any]:
         cfg, version = self.cfg, step - 1  # the weights trained at this step are version step - 1
@@ -147,15 +180,30 @@ class Loop:
 
     def _executor(self) -> RolloutExecutor:
         cfg = self.cfg
-        workflow = make_workflow(cfg, self.w.client, self.tokenizer, self.w.rewards, self.resumed)
+        if self.w.episodes is not None:  # rollout workers run the workflow and the reward
+            episode = self._remote_episode
+        else:
+            workflow = make_workflow(cfg, self.w.client, self.tokenizer, self.w.rewards, self.resumed)
+            episode = lambda row: workflow.run(row["prompt"], row["answer"])  # noqa: E731
         return RolloutExecutor(
-            lambda row: workflow.run(row["prompt"], row["answer"]),
-            endless(self.train_rows, cfg.run.seed),
+            episode,
+            self.rows,
             batch_size=cfg.rollout.prompts_per_step,
             max_concurrent=cfg.rollout.max_concurrent,
             max_staleness=cfg.rollout.max_staleness,
             accept=self._accept,
         )
+
+    async def _remote_episode(self, row: dict[str, str]) -> Group:
+        """One episode on a rollout worker; one lost with its worker runs again on the others (none left: fail)."""
+        from hpcrl.rollout.remote import RolloutWorkerLost
+
+        while True:
+            try:
+                return await self.w.episodes.run(row)
+            except RolloutWorkerLost as e:
+                self.counters["episodes_lost"] = self.counters.get("episodes_lost", 0) + 1
+                log.warning("%s; running the episode again on the remaining rollout workers", e)
 
     def _accept(self, group: Group) -> bool:
         """Apply reward.on_error and DAPO's filter; score failed rewards 0 under on_error=zero."""
@@ -176,11 +224,34 @@ class Loop:
             return False
         return True
 
+    async def _stop_for_preemption(self, step: int, checkpointed: bool) -> None:
+        """Slurm's warning came (preempt.py): make sure ``step`` is checkpointed, then stop the run."""
+        if not checkpointed:
+            await self._checkpoint(step)
+        raise Preempted(step, str(self.checkpoints.step_dir(step)))
+
     async def _checkpoint(self, step: int) -> float:
-        """The trainers' sharded state (model, optimizer, LR schedule, step), written beside and renamed."""
+        """Everything needed to go on after ``step`` (between steps): the controller's state, taken at once (the
+        rollout goes on meanwhile), the trainers' sharded state, then the marker that completes the checkpoint."""
         start = time.monotonic()
-        await self.w.trainers.save_checkpoint(self.run_dir.checkpoints / f"step_{step:06d}")
+        state = self._state(step)
+        await self.w.trainers.save_checkpoint(self.checkpoints.step_dir(step))
+        self.checkpoints.publish(state)
         return round(time.monotonic() - start, 4)
+
+    def _state(self, step: int) -> ControllerState:
+        executor = self.executor
+        assert executor is not None, "a checkpoint is taken while the loop runs"
+        return ControllerState(
+            step=step,
+            weight_version=executor.version,
+            rows=self.rows.state(executor.unbatched_rows()),
+            counters=dict(self.counters),
+            groups_rejected=executor.rejected_total,
+            eval_accuracy_before=self.accuracy_before,
+            eval_accuracy_last=self.accuracy,
+            rng=rng_states(),
+        )
 
     def _eval_due(self, step: int) -> bool:
         every = self.cfg.eval.every_steps

@@ -3,22 +3,37 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
+
+from hpcrl.rundir import write_atomic
+
+log = logging.getLogger(__name__)
 
 PLOTTED = (("reward_mean", "mean reward"), ("eval_accuracy", "held-out accuracy"), ("loss", "loss"))
 
 
 class MetricsLog:
-    """Appends one JSON line per step and mirrors each scalar to TensorBoard."""
+    """Appends one JSON line per step and mirrors each scalar to TensorBoard.
 
-    def __init__(self, run_dir: Path):
+    A run that may follow an interrupted one (``recover.mode=auto``) passes ``keep_until``, the last step it
+    does not train again (0 when it starts fresh): the lines of later steps are dropped from ``metrics.jsonl``,
+    and TensorBoard hides their events, so every step appears once.
+    """
+
+    def __init__(self, run_dir: Path, keep_until: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
         self.path = run_dir / "metrics.jsonl"
+        purge_step = None
+        if keep_until is not None:
+            if dropped := cut_metrics(self.path, keep_until):
+                log.info("dropped %d line(s) after step %d from %s: they run again", dropped, keep_until, self.path)
+            purge_step = keep_until + 1
         self._file = self.path.open("a")
-        self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge_step)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         self._file.write(json.dumps({"step": step, **metrics}) + "\n")
@@ -30,6 +45,25 @@ class MetricsLog:
     def close(self) -> None:
         self._file.close()
         self._tb.close()
+
+
+def cut_metrics(path: Path, last_step: int) -> int:
+    """Keep the lines of steps up to ``last_step`` (a resumed run writes the later ones again); return how many
+    lines were dropped, a line cut short by a crash included."""
+    if not path.exists():
+        return 0
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    steps = [_step_of(line) for line in lines]
+    kept = [line for line, step in zip(lines, steps, strict=True) if step is not None and step <= last_step]
+    write_atomic(path, "".join(line + "\n" for line in kept))
+    return len(lines) - len(kept)
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):  # a line cut short (json's errors are ValueErrors), or not a step's
+        return None
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

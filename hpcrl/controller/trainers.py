@@ -12,6 +12,7 @@ from hpcrl.rpc.client import RpcClient
 from hpcrl.rpc.messages import (
     ExportWeights,
     JoinWeightGroup,
+    LoadCheckpoint,
     PushWeights,
     SaveCheckpoint,
     SequenceData,
@@ -45,6 +46,10 @@ class Trainers:
 
     async def save_checkpoint(self, path) -> None:
         await self.rpc.broadcast("save_checkpoint", SaveCheckpoint(str(path)))
+
+    async def load_checkpoint(self, path) -> None:
+        """Every rank restores model, optimizer, LR schedule and step from a ``save_checkpoint`` directory."""
+        await self.rpc.broadcast("load_checkpoint", LoadCheckpoint(str(path)))
 
     async def join_weight_group(self, master_address: str, master_port: int, world_size: int) -> None:
         request = JoinWeightGroup(master_address, master_port, world_size, "weight_update_group", self.weights_backend)

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import shutil
 from pathlib import Path
+from typing import Any
 
 from hpcrl.rollout.client import InferenceClient
 
@@ -28,7 +29,7 @@ class WeightSync:
         self.mode, self.client, self.trainers, self.resumed = mode, client, trainers, resumed
         self.weights_dir = weights_dir
         self.specs: tuple[list[str], list[str], list[list[int]]] | None = None
-        self._last_export: Path | None = None
+        self.episodes: Any = None  # rollout.remote.RemoteEpisodes when rollout workers run the episodes
 
     async def setup(self, master_address: str, master_port: int) -> None:
         """Form the weight-update group (distributed mode)."""
@@ -42,6 +43,8 @@ class WeightSync:
 
     async def push(self, version: int) -> None:
         self.resumed.clear()
+        if self.episodes is not None:  # rollout workers hold their resubmissions until the servers resume
+            await self.episodes.pause()
         await self.client.pause("abort")
         try:
             if self.mode == "disk":
@@ -50,15 +53,18 @@ class WeightSync:
                 await self._push_distributed(version)
         finally:
             await self.client.resume()
+            if self.episodes is not None:
+                await self.episodes.resume()
             self.resumed.set()
 
     async def _push_disk(self, version: int) -> None:
         path = self.weights_dir / f"v{version:06d}"
         await self.trainers.export(path)
         await self.client.update_weights_from_disk(str(path), version)
-        if self._last_export is not None:
-            shutil.rmtree(self._last_export, ignore_errors=True)  # the servers hold the new one
-        self._last_export = path
+        # the servers hold the new export: the older ones go, those of an interrupted earlier run too
+        for old in self.weights_dir.glob("v*"):
+            if old != path:
+                shutil.rmtree(old, ignore_errors=True)
 
     async def _push_distributed(self, version: int) -> None:
         assert self.specs is not None, "setup() forms the group first"

@@ -139,6 +139,7 @@ def spawn(
                 env={**os.environ, **env},
                 cwd=cwd,
                 start_new_session=True,
+                preexec_fn=ignore_job_warning,
             )
         except OSError as e:
             e.add_note(f"while starting {name}: {shlex.join(argv)} (cwd: {cwd or os.getcwd()})")
@@ -151,6 +152,16 @@ def spawn(
         raise
     log.info("started %s as pid %d, log: %s", name, child.pid, log_file)
     return child
+
+
+def ignore_job_warning() -> None:
+    """In the child before exec: ignore SIGUSR2, which stays ignored across exec and in its children.
+
+    Slurm sends its preemption and time-limit warning (``--signal=USR2@N``) to every process of a job step;
+    only the controller acts on it (checkpoint, then requeue: hpcrl/controller/preempt.py), and a worker
+    killed by it would fail the run first.
+    """
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
 def stop_all(children: Iterable[Child], grace_s: float = 10.0) -> None:

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcrl.launch.process import Child, stop_all
+from hpcrl.launch.process import Child, ignore_job_warning, stop_all
 from hpcrl.reward.outcome import RewardOutcome
 from hpcrl.reward.registry import resolve
 
@@ -259,6 +259,7 @@ class _Worker:
             env={**os.environ, "PYTHONPATH": path},
             start_new_session=True,
             bufsize=0,
+            preexec_fn=ignore_job_warning,  # Slurm's USR2 is the controller's to act on
         )
         # stderr is this process's own (a worker's log lines carry [reward:INDEX]), so no log file
         self.child = Child(f"reward worker {self.index}", popen, Path(os.devnull))

@@ -9,6 +9,10 @@ rollout: the next batch starts only after the weights it will be trained against
 The capacity is recomputed whenever an episode completes or the version changes, not once per round.
 Groups the filter rejects (all-equal rewards under DAPO, failed rewards under ``drop``) free their
 capacity, so the executor starts replacements.
+
+For checkpoints, the executor knows which rows it drew whose groups no batch has taken yet (in flight, or
+accepted and waiting): ``unbatched_rows``. A resumed run draws them again, and ``restore`` puts the counts
+where the checkpointed run left them.
 """
 
 from __future__ import annotations
@@ -38,8 +42,8 @@ class RolloutExecutor:
         self.version = 0  # weight version the servers hold
         self.accepted_total = 0  # groups accepted since the start (including those already trained on)
         self.rejected_total = 0
-        self.ready: list[Any] = []
-        self.running: set[asyncio.Task] = set()
+        self.ready: list[tuple[Any, Any]] = []  # (row, group) of accepted groups, oldest first
+        self.running: dict[asyncio.Task, Any] = {}  # episode task -> its row
         self._wake_pump = asyncio.Event()  # an episode ended or the version changed
         self._wake_batch = asyncio.Event()  # an episode ended (or failed)
         self._pump_task: asyncio.Task | None = None
@@ -56,6 +60,17 @@ class RolloutExecutor:
         self.version = version
         self._wake_pump.set()
 
+    def restore(self, version: int, batches_trained: int, rejected_total: int) -> None:
+        """Go on from a checkpoint (before ``start``): the servers hold ``version``, ``batches_trained`` batches were
+        trained on. Groups accepted but not trained on then are not here: their rows are drawn again."""
+        self.version = version
+        self.accepted_total = batches_trained * self.batch_size
+        self.rejected_total = rejected_total
+
+    def unbatched_rows(self) -> list[Any]:
+        """Rows drawn whose groups are in no batch yet: accepted and waiting, then in flight."""
+        return [row for row, _ in self.ready] + list(self.running.values())
+
     async def next_batch(self) -> list[Any]:
         """The oldest ``batch_size`` accepted groups, once there are that many."""
         while len(self.ready) < self.batch_size:
@@ -64,7 +79,7 @@ class RolloutExecutor:
             self._wake_batch.clear()
             await self._wake_batch.wait()
         batch, self.ready = self.ready[: self.batch_size], self.ready[self.batch_size :]
-        return batch
+        return [group for _, group in batch]
 
     async def close(self) -> None:
         tasks = [t for t in (self._pump_task, *self.running) if t is not None]
@@ -76,8 +91,9 @@ class RolloutExecutor:
         try:
             while True:
                 for _ in range(max(0, self.capacity())):
-                    task = asyncio.create_task(self.episode(next(self.rows)))
-                    self.running.add(task)
+                    row = next(self.rows)
+                    task = asyncio.create_task(self.episode(row))
+                    self.running[task] = row
                     task.add_done_callback(self._done)
                 self._wake_pump.clear()
                 await self._wake_pump.wait()
@@ -86,7 +102,7 @@ class RolloutExecutor:
             self._wake_batch.set()
 
     def _done(self, task: asyncio.Task) -> None:
-        self.running.discard(task)
+        row = self.running.pop(task, None)
         if task.cancelled():
             return
         try:
@@ -96,7 +112,7 @@ class RolloutExecutor:
             self._error = self._error or e  # the first failure is the one to report
         else:
             if accepted:
-                self.ready.append(group)
+                self.ready.append((row, group))
                 self.accepted_total += 1
             else:
                 self.rejected_total += 1

@@ -40,7 +40,12 @@ CLI_CASES = [
         "cluster.extra_sbatch='[--exclusive,--constraint=x]' is invalid: expected a value in Hydra's override syntax",
     ),
     (["workflow.name=tree_search"], "workflow.name='tree_search' is invalid: expected one of"),
+    (
+        ["workflow.name=best_of_n", "workflow.n=3", "algorithm.group_size=8"],
+        "workflow.n=3 is invalid: expected a divisor of algorithm.group_size=8",
+    ),
     (["cluster.submit_mode=array"], "cluster.submit_mode='array' is invalid: expected one of hetjob, per_role, steps"),
+    (["recover.mode=resume"], "recover.mode='resume' is invalid: expected one of off, auto"),
 ]
 
 

@@ -120,5 +120,6 @@ def test_every_algorithm_runs_end_to_end(tmp_path, overrides, metric):
     assert all(metric in r for r in rows), rows[0]
     if "checkpoint.every_steps=2" in overrides:
         checkpoints = tmp_path / "default" / trial / "checkpoints"
-        assert [p.name for p in checkpoints.iterdir()] == ["step_000002"]
+        assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_000002"]
         assert (checkpoints / "step_000002" / "trainer_state.json").is_file()
+        assert (checkpoints / "step_000002" / "controller.json").is_file()

@@ -120,3 +120,32 @@ def test_a_failed_episode_reaches_next_batch():
         await ex.close()
 
     run(scenario())
+
+
+def test_unbatched_rows_are_those_waiting_or_in_flight():
+    async def scenario():
+        eps = Episodes()
+        ex = RolloutExecutor(eps, itertools.count(), batch_size=2, max_concurrent=100, max_staleness=1)
+        ex.start()
+        await settle()
+        assert eps.started == [0, 1, 2, 3]
+        eps.finish(0, 1, 3)
+        assert await ex.next_batch() == [0, 1]
+        assert sorted(ex.unbatched_rows()) == [2, 3], "3 waits accepted, 2 is in flight"
+        await ex.close()
+
+    run(scenario())
+
+
+def test_a_restored_executor_goes_on_with_the_checkpoints_version_and_counts():
+    async def scenario():
+        eps = Episodes()
+        ex = RolloutExecutor(eps, itertools.count(10), batch_size=2, max_concurrent=100, max_staleness=1)
+        ex.restore(version=3, batches_trained=3, rejected_total=5)
+        ex.start()
+        await settle()
+        assert eps.started == [10, 11, 12, 13], "capacity as after 3 batches: this batch and the next"
+        assert ex.rejected_total == 5
+        await ex.close()
+
+    run(scenario())

@@ -22,6 +22,7 @@ from hpcrl.config.schema import ClusterConfig, Config
 from hpcrl.launch.slurm.resources import JobResources, role_resources, sbatch_lines
 
 OUTPUT = "hpcrl-%j.out"  # the batch script's own output, in the directory sbatch ran in
+OPEN_MODE = "append"  # a requeued job adds to its output rather than replacing it
 
 
 def controller_resources(cluster: ClusterConfig, name: str) -> JobResources:
@@ -45,21 +46,32 @@ def controller_script(cfg: Config, overrides: Sequence[str], python: str) -> str
     """The controller as one Slurm job; it submits the workers as ``cluster.submit_mode`` says."""
     ctl = controller_resources(cfg.cluster, f"hpcrl-{cfg.run.experiment}")
     head = _header("controller", "the controller as one Slurm job; it submits its workers itself", overrides)
-    return _script([*head, *sbatch_lines(ctl), f"#SBATCH --output={OUTPUT}"], cfg, overrides, python)
+    return _script([*head, *sbatch_lines(ctl), *_batch_lines(cfg.cluster)], cfg, overrides, python)
 
 
 def run_hetjob_script(cfg: Config, overrides: Sequence[str], python: str) -> str:
     """The whole run as one heterogeneous job: the controller (component 0), then each role."""
-    from hpcrl.controller.job import server_spec, trainer_spec
+    from hpcrl.controller.job import rollout_specs, server_spec, trainer_spec
 
     prefix = f"hpcrl-{cfg.run.experiment}"
-    specs = [server_spec(cfg), trainer_spec(cfg)]
+    specs = [server_spec(cfg), trainer_spec(cfg), *rollout_specs(cfg)]
     roles = ", ".join(f"{spec.role} ({k})" for k, spec in enumerate(specs, start=1))
     head = _header("hetjob", f"the whole run as one heterogeneous job: the controller (0), {roles}", overrides)
-    lines = [*head, *sbatch_lines(controller_resources(cfg.cluster, prefix)), f"#SBATCH --output={OUTPUT}"]
+    lines = [*head, *sbatch_lines(controller_resources(cfg.cluster, prefix)), *_batch_lines(cfg.cluster)]
     for spec in specs:
         lines += ["#SBATCH hetjob", *sbatch_lines(role_resources(spec, cfg.cluster, f"{prefix}-{spec.role}"))]
     return _script(lines, cfg, [*overrides, "cluster.submit_mode=steps"], python)
+
+
+def _batch_lines(cluster: ClusterConfig) -> list[str]:
+    """The batch script's own options: its output, and USR2 to the script (exec'd into the controller) before
+    the time limit, after which it checkpoints and requeues itself (hpcrl/controller/preempt.py)."""
+    return [
+        f"#SBATCH --output={OUTPUT}",
+        f"#SBATCH --open-mode={OPEN_MODE}",
+        f"#SBATCH --signal=B:USR2@{cluster.controller.signal_delay_s}",
+        "#SBATCH --requeue",
+    ]
 
 
 def _header(kind: str, what: str, overrides: Sequence[str]) -> list[str]:

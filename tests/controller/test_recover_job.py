@@ -1,0 +1,133 @@
+"""Recovery end to end: a run killed with SIGKILL and rerun with ``recover.mode=auto`` goes on from its newest
+complete checkpoint, to its step budget, every step logged once."""
+
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import REPO
+from tests.controller.test_job import metrics_of, processes_of, run_job, summary_of
+
+# a step takes well under a second here: the budget leaves room for three kills however far each run gets
+MAX_STEPS, EVERY = 30, 2
+SMALL = [f"checkpoint.every_steps={EVERY}", "recover.mode=auto", "eval.stop_at_accuracy=0", "eval.every_steps=0"]
+SMALL += ["rollout.prompts_per_step=8"]
+
+
+def steps_logged(run_dir) -> list[int]:
+    """The steps in metrics.jsonl; a line the writer has not finished yet is not counted."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def newest_complete_checkpoint(run_dir) -> int:
+    steps = [int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step_*") if (p / "controller.json").is_file()]
+    return max(steps, default=0)
+
+
+def kill_run(job: subprocess.Popen, run_dir) -> None:
+    """SIGKILL the controller and every process of the run: its children (the workers start in sessions of
+    their own, so the controller's process group does not hold them) and whatever names the run directory."""
+    victims = processes_of(str(run_dir))
+    if job.poll() is None:
+        victims += psutil.Process(job.pid).children(recursive=True)
+        os.killpg(job.pid, signal.SIGKILL)
+    for p in victims:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    job.wait(timeout=30)
+    _, alive = psutil.wait_procs(victims, timeout=30)
+    assert not alive, f"processes outlived SIGKILL: {alive}"
+
+
+def run_until_killed(tmp_path, trial: str, kill_after: int, delay_s: float | None, log) -> str:
+    """Start the run; once step ``kill_after`` is logged, wait ``delay_s`` (kills land in a step or in a
+    checkpoint), or with None until the trainers write a checkpoint, and kill it. Returns its stderr."""
+    run_dir = tmp_path / "default" / trial
+    cmd = [sys.executable, "-m", "hpcrl.main", f"run.root={tmp_path}", f"run.trial={trial}", *SMALL]
+    cmd += [f"run.max_steps={MAX_STEPS}"]
+    with log.open("w") as err:
+        job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        try:
+            wait_until(lambda: kill_after in steps_logged(run_dir), job, log, f"step {kill_after}")
+            if delay_s is None:
+                writing = lambda: any((run_dir / "checkpoints").glob("*.partial"))  # noqa: E731
+                wait_until(writing, job, log, "a checkpoint being written", poll_s=0.005)
+            else:
+                time.sleep(delay_s)
+        finally:
+            kill_run(job, run_dir)
+    return log.read_text()
+
+
+def wait_until(condition, job: subprocess.Popen, log, what: str, poll_s: float = 0.1) -> None:
+    deadline = time.monotonic() + 300
+    while not condition():
+        assert job.poll() is None, f"the run ended before {what}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"the run did not reach {what}"
+        time.sleep(poll_s)
+
+
+def resumed_step(stderr: str) -> int:
+    """The step the run resumed from, 0 when it started fresh (from the controller's log)."""
+    if "no complete checkpoint" in stderr:
+        return 0
+    found = re.search(r"resumed at step (\d+)", stderr)
+    assert found, f"the rerun said neither that it resumed nor that it started fresh:\n{stderr[-3000:]}"
+    return int(found.group(1))
+
+
+@pytest.mark.slow
+def test_a_run_killed_at_random_steps_resumes_to_its_budget(tmp_path):
+    seed = int(os.environ.get("HPCRL_KILL_SEED", time.time_ns() % 100_000))
+    rng = random.Random(seed)
+    trial, run_dir = "killed", tmp_path / "default" / "killed"
+    expected_start, logged = 0, 0  # the step the next attempt resumes from; the last step logged before the kill
+    for attempt in range(3):
+        kill_after = logged + rng.randint(1, 2)  # past anything the killed attempt logged: this attempt's own step
+        delay_s = None if rng.random() < 0.5 else round(rng.uniform(0, 1.0), 2)
+        moment = "while a checkpoint is written" if delay_s is None else f"{delay_s} s"
+        print(f"seed {seed} (HPCRL_KILL_SEED): attempt {attempt} killed {moment} after step {kill_after}")
+        stderr = run_until_killed(tmp_path, trial, kill_after, delay_s, tmp_path / f"attempt{attempt}.err")
+        assert resumed_step(stderr) == expected_start
+        steps = steps_logged(run_dir)
+        assert steps == list(range(1, len(steps) + 1)), f"a step repeated or skipped in metrics.jsonl: {steps}"
+        logged, expected_start = steps[-1], newest_complete_checkpoint(run_dir)
+        assert logged - expected_start < EVERY, "the kill lost more steps than one checkpoint interval"
+
+    result = run_job(tmp_path, f"run.trial={trial}", f"run.max_steps={MAX_STEPS}", *SMALL)
+    summary = summary_of(result)
+    assert summary["steps"] == MAX_STEPS
+    assert summary["resumed_from_step"] == expected_start
+    rows = metrics_of(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, MAX_STEPS + 1))
+    # the servers got the checkpoint's weights before the first rollout: synchronous rollout goes on exactly
+    assert all(r["token_version_min"] == r["step"] - 1 and r["staleness_max"] == 0 for r in rows), rows
+    assert not processes_of(str(run_dir)), "no process of the run outlives it"
+
+
+@pytest.mark.slow
+def test_an_interrupted_checkpoint_is_skipped_for_the_one_before(tmp_path):
+    trial, run_dir = "torn", tmp_path / "default" / "torn"
+    assert summary_of(run_job(tmp_path, f"run.trial={trial}", "run.max_steps=4", *SMALL))["steps"] == 4
+    checkpoints = run_dir / "checkpoints"
+    (checkpoints / "step_000004" / "controller.json").unlink()  # killed after the trainers' part, before the marker
+    shutil.copytree(checkpoints / "step_000004", checkpoints / "step_000006.partial")  # killed while trainers wrote
+
+    summary = summary_of(run_job(tmp_path, f"run.trial={trial}", *SMALL, "run.max_steps=6"))
+    assert (summary["steps"], summary["resumed_from_step"]) == (6, 2)
+    assert [r["step"] for r in metrics_of(run_dir)] == [1, 2, 3, 4, 5, 6]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_000002", "step_000004", "step_000006"]
+    assert (checkpoints / "latest").read_text() == "step_000006\n"
