@@ -19,15 +19,12 @@ import sys
 import time
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-
 from hpcrl.config.errors import ConfigError
-from hpcrl.config.hydra import exit_on_config_error, register_schema, to_config
-from hpcrl.config.overrides import check_override_keys, expand_allocation_shorthand
+from hpcrl.config.hydra import compose_config, exit_on_config_error
+from hpcrl.config.overrides import expand_allocation_shorthand
 from hpcrl.launch.slurm.hetjob import submit_script
 from hpcrl.launch.slurm.scripts import controller_script, run_hetjob_script, write_script
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 RENDER = {"controller": controller_script, "hetjob": run_hetjob_script}
 
 
@@ -44,10 +41,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def render(kind: str, overrides: list[str], python: str) -> str:
     """The script for ``kind``; ``ConfigError`` for a bad config, as ``hpcrl.main`` reports it."""
     overrides = expand_allocation_shorthand(overrides)
-    check_override_keys(overrides, CONF_DIR)
-    register_schema()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = to_config(compose(config_name="config", overrides=overrides))
+    cfg = compose_config(overrides)
     if cfg.cluster.kind != "slurm":
         raise ConfigError("cluster.kind", cfg.cluster.kind, "slurm for a batch script (e.g. cluster=slurm_local)")
     return RENDER[kind](cfg, overrides, python)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
 from typing import Any, NoReturn
 
 from hydra.core.config_store import ConfigStore
@@ -21,6 +22,7 @@ from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import Config
 
 SCHEMA_NAME = "hpcrl_schema"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repository's Hydra config groups
 
 
 def _first_set(*values: Any) -> Any:
@@ -76,6 +78,25 @@ def exit_on_config_error(e: ConfigError) -> NoReturn:
     """One line on stderr naming the bad field, and exit code 2."""
     print(f"hpcrl: config error: {e}", file=sys.stderr)
     sys.exit(2)
+
+
+def compose_config(overrides: list[str], conf_dir: Path = CONF_DIR) -> Config:
+    """The validated config ``python -m hpcrl.main OVERRIDES`` would run (shorthand expanded, keys checked);
+    ``ConfigError`` for a bad one, Hydra's composition errors (an unknown group option) included."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    from hpcrl.config.overrides import check_override_keys, expand_allocation_shorthand
+
+    overrides = expand_allocation_shorthand(overrides)
+    check_override_keys(overrides, conf_dir)
+    register_schema()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+            return to_config(compose(config_name="config", overrides=overrides))
+    except HydraException as e:
+        cause = f": {e.__cause__}" if e.__cause__ else ""
+        raise ConfigError("overrides", " ".join(overrides), f"a config Hydra can compose ({e}{cause})") from e
 
 
 def to_config_or_exit(dcfg: DictConfig) -> Config:

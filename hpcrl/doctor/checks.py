@@ -1,0 +1,64 @@
+"""The doctor's checks in order, from the overrides a run would get to one ``Result`` per line.
+
+    overrides -> load_config (expand the allocation shorthand, check the keys, compose, to_config: as
+                 ``hpcrl.main`` and ``hpcrl.sbatch`` do) -> a config line; a bad config stops here
+    local       run root, address, ports, setup timeouts                        (local.py)
+    kind=local  the GPU checks on this machine, or why they do not apply        (gpu.py)
+    kind=slurm  sbatch --test-only of every job                                 (testonly.py)
+                probe jobs on compute nodes: network, run root, GPUs            (nodes.py)
+
+Results are yielded as they are made, so a slow Slurm check does not hold back the lines before it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from hpcrl.config import ConfigError, format_spec
+from hpcrl.config.hydra import compose_config
+from hpcrl.config.schema import Config
+from hpcrl.doctor.gpu import gpu_checks_here, not_applicable
+from hpcrl.doctor.local import local_checks, run_root
+from hpcrl.doctor.nodes import node_checks
+from hpcrl.doctor.report import Result, fail, ok, skip
+from hpcrl.doctor.testonly import sbatch_checks
+
+
+@dataclass(frozen=True)
+class Options:
+    job_prefix: str = "hpcrl-doctor-"  # starts the name of every job the doctor submits
+    job_timeout_s: float = 300.0  # deadline of the probe jobs, from submission: queue time and run time
+    python: str = sys.executable  # the interpreter the probe jobs run
+
+
+def load_config(overrides: list[str]) -> Config:
+    """The validated config ``python -m hpcrl.main OVERRIDES`` would run; ConfigError for a bad one."""
+    return compose_config(overrides)
+
+
+def run_checks(overrides: list[str], options: Options) -> Iterator[Result]:
+    try:
+        cfg = load_config(overrides)
+    except ConfigError as e:
+        text = " ".join(str(e).split())  # Hydra's messages span lines
+        advice = "fix that value (docs/config.md lists every field); the other checks need a valid config"
+        yield fail("config", text, advice)
+        return
+    c = cfg.cluster
+    spec = format_spec(cfg.allocation.roles())
+    yield ok("config", f"valid: allocation {spec} on cluster {c.name} ({c.kind}), run root {run_root(cfg)}")
+    yield from local_checks(cfg)
+    gpu_not_applicable = not_applicable(cfg)
+    if c.kind != "slurm":
+        if gpu_not_applicable is not None:
+            yield gpu_not_applicable
+        else:
+            yield from gpu_checks_here(cfg, options.python, options.job_timeout_s)
+        yield skip("slurm", f"cluster.kind={c.kind}: no sbatch checks and no probe jobs")
+        return
+    yield from sbatch_checks(cfg, options.job_prefix, options.python, run_root(cfg) / ".hpcrl-doctor" / "test-only")
+    yield from node_checks(cfg, options.job_prefix, options.job_timeout_s, options.python)
+    if gpu_not_applicable is not None:
+        yield gpu_not_applicable
