@@ -171,6 +171,7 @@ class Loop:
         metrics.update(self.counters)
         metrics.update(
             groups_rejected=executor.rejected_total,
+            groups_failed=executor.failed_total,
             time_rollout_wait_s=round(t1 - t0, 4),
             time_train_s=round(t2 - t1, 4),
             time_sync_s=round(t3 - t2, 4),
@@ -192,6 +193,7 @@ class Loop:
             max_concurrent=cfg.rollout.max_concurrent,
             max_staleness=cfg.rollout.max_staleness,
             accept=self._accept,
+            tolerated=_episode_errors(),
         )
 
     async def _remote_episode(self, row: dict[str, str]) -> Group:
@@ -266,3 +268,13 @@ class Loop:
 def _split(items: list, parts: int) -> list[list]:
     size = -(-len(items) // parts)
     return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def _episode_errors() -> tuple[type[BaseException], ...]:
+    """Errors that fail one episode's group, not the run: a server that kept failing a request through the
+    client's bounded retries, or an episode that raised on a rollout worker. A dead server or trainer is the
+    watchdog's to report; many failures in a row fail the run (RolloutExecutor)."""
+    from hpcrl.rollout.client import InferenceError
+    from hpcrl.rollout.remote import RolloutWorkerError
+
+    return (InferenceError, RolloutWorkerError)

@@ -36,8 +36,15 @@ class RolloutExecutor:
         max_concurrent: int,
         max_staleness: int,
         accept: Callable[[Any], bool] = lambda _: True,
+        tolerated: tuple[type[BaseException], ...] = (),
+        max_failures_in_a_row: int = 0,
     ):
         self.episode, self.rows, self.accept = episode, rows, accept
+        # episode errors that drop only their group (inference errors after the client's retries); more than
+        # max_failures_in_a_row of them with no success between (0: 2 batches' worth) fail the run
+        self.tolerated = tolerated
+        self.max_failures_in_a_row = max_failures_in_a_row or 2 * batch_size
+        self.failed_total = self.failures_in_a_row = 0
         self.batch_size, self.max_concurrent, self.max_staleness = batch_size, max_concurrent, max_staleness
         self.version = 0  # weight version the servers hold
         self.accepted_total = 0  # groups accepted since the start (including those already trained on)
@@ -101,6 +108,14 @@ class RolloutExecutor:
             self._error = e
             self._wake_batch.set()
 
+    def _episode_failed(self, row: Any, error: BaseException) -> None:
+        self.failed_total += 1
+        self.failures_in_a_row += 1
+        log.warning("an episode failed and its group is dropped (%d in a row): %s", self.failures_in_a_row, error)
+        if self.failures_in_a_row >= self.max_failures_in_a_row:
+            message = f"{self.failures_in_a_row} episodes in a row failed; the last: {error}"
+            self._error = self._error or RuntimeError(message)
+
     def _done(self, task: asyncio.Task) -> None:
         row = self.running.pop(task, None)
         if task.cancelled():
@@ -108,9 +123,12 @@ class RolloutExecutor:
         try:
             group = task.result()
             accepted = self.accept(group)
+        except self.tolerated as e:  # the group fails (the client's retries are spent), is counted, and the run goes on
+            self._episode_failed(row, e)
         except Exception as e:  # the episode, or the accept policy (e.g. reward.on_error=fail), failed
             self._error = self._error or e  # the first failure is the one to report
         else:
+            self.failures_in_a_row = 0
             if accepted:
                 self.ready.append((row, group))
                 self.accepted_total += 1

@@ -149,3 +149,58 @@ def test_a_restored_executor_goes_on_with_the_checkpoints_version_and_counts():
         await ex.close()
 
     run(scenario())
+
+
+class Flaky(Exception):
+    """Stands for an inference error after the client's retries."""
+
+
+def test_a_tolerated_episode_error_drops_its_group_and_the_rollout_goes_on():
+    async def scenario():
+        async def episode(row: int) -> int:
+            if row in (1, 2):
+                raise Flaky(f"row {row}")
+            return row
+
+        ex = RolloutExecutor(
+            episode, itertools.count(), batch_size=2, max_concurrent=2, max_staleness=0, tolerated=(Flaky,)
+        )
+        ex.start()
+        assert await ex.next_batch() == [0, 3], "the failed rows' groups are dropped, replacements start"
+        assert ex.failed_total == 2
+        await ex.close()
+
+    run(scenario())
+
+
+def test_many_tolerated_failures_in_a_row_fail_the_run_with_the_last_error():
+    async def scenario():
+        async def episode(row: int) -> int:
+            raise Flaky(f"server said 503 for row {row}")
+
+        ex = RolloutExecutor(
+            episode, itertools.count(), batch_size=2, max_concurrent=2, max_staleness=0, tolerated=(Flaky,)
+        )
+        ex.start()
+        with pytest.raises(RuntimeError, match=r"4 episodes in a row failed; the last: server said 503"):
+            await ex.next_batch()
+        await ex.close()
+
+    run(scenario())
+
+
+def test_an_error_that_is_not_tolerated_fails_the_run_at_once():
+    async def scenario():
+        async def episode(row: int) -> int:
+            raise KeyError("a bug")
+
+        ex = RolloutExecutor(
+            episode, itertools.count(), batch_size=2, max_concurrent=2, max_staleness=0, tolerated=(Flaky,)
+        )
+        ex.start()
+        with pytest.raises(KeyError):
+            await ex.next_batch()
+        assert ex.failed_total == 0
+        await ex.close()
+
+    run(scenario())
