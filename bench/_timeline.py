@@ -1,0 +1,64 @@
+"""``python bench/_timeline.py OUT.json OVERRIDE ...``: ``python -m hpcrl.main`` with a wall-clock timeline.
+
+The controller's process records, on one monotonic clock, when each of these was under way, and writes the
+intervals to OUT.json when the job ends: ``step`` (one ``Loop._step``: rollout wait, train, weight sync),
+``gen`` (one generate request in flight to a server), ``train`` (one train-step RPC to the trainers), ``sync``
+(one weight push, servers paused), ``reward`` (one reward-pool call), ``eval``. The wrappers are installed on
+the classes before the job builds anything; they only take the time, so the job runs its own code paths.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import runpy
+import sys
+import time
+from typing import Any
+
+INTERVALS: list[tuple[str, float, float, Any]] = []  # (kind, start, end, step or None)
+
+
+def timed(cls: type, method: str, kind: str, step_arg: bool = False) -> None:
+    original = getattr(cls, method)
+
+    @functools.wraps(original)
+    async def wrapper(self, *args, **kwargs):
+        start = time.monotonic()
+        try:
+            return await original(self, *args, **kwargs)
+        finally:
+            INTERVALS.append((kind, start, time.monotonic(), args[0] if step_arg else None))
+
+    setattr(cls, method, wrapper)
+
+
+def install() -> None:
+    from hpcrl.controller.loop import Loop
+    from hpcrl.controller.trainers import Trainers
+    from hpcrl.controller.weights import WeightSync
+    from hpcrl.reward.pool import RewardPool
+    from hpcrl.rollout.client import InferenceClient
+
+    timed(Loop, "_step", "step", step_arg=True)
+    timed(Loop, "evaluate", "eval")
+    timed(InferenceClient, "generate", "gen")
+    timed(InferenceClient, "generate_many", "gen")
+    timed(Trainers, "train_step", "train")
+    timed(WeightSync, "push", "sync")
+    timed(RewardPool, "score", "reward")
+
+
+def main() -> None:
+    out, overrides = sys.argv[1], sys.argv[2:]
+    install()
+    sys.argv = ["hpcrl.main", *overrides]
+    try:  # as ``python -m hpcrl.main`` runs it (Hydra finds conf/ from the file of a __main__ module)
+        runpy.run_module("hpcrl.main", run_name="__main__", alter_sys=True)
+    finally:
+        with open(out, "w") as f:
+            json.dump(INTERVALS, f)
+
+
+if __name__ == "__main__":
+    main()

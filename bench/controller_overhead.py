@@ -1,0 +1,130 @@
+"""Controller overhead: the share of each train step when neither generation nor training runs.
+
+    python bench/controller_overhead.py [--runs 3] [--steps 20] [--staleness 0 1] [--quick] [-- OVERRIDE ...]
+
+Runs the default job (``eval.stop_at_accuracy=0 eval.every_steps=0``) through ``bench/_timeline.py``, which
+records in the controller, on one wall clock, when each step ran and when a generate request, a train-step
+RPC, a weight push or a reward call was under way. Per step (``Loop._step``: rollout wait, train, weight
+sync), the step's time splits into:
+
+- generation or training: some generate request in flight, or a train-step RPC;
+- weight sync only: the servers paused for a weight push, nothing else running;
+- controller: none of these; the controller alone (the last groups' reward calls, building and sharding the
+  batch, encoding RPCs, the event loop's own scheduling). ``reward`` is the part of it in reward calls.
+
+"neither" = weight sync only + controller: the issue's measure, goal < 5% of the step. Shares are of the sum
+of all steps of a job; medians over runs. The timings are the controller's view: a request counts as
+generation from its send to its answer, so "controller" is a lower bound on the time the servers sit idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from _jobs import QUICK, median, run_job, table
+
+FIXED = ["eval.stop_at_accuracy=0", "eval.every_steps=0"]
+TIMELINE = str(Path(__file__).resolve().parent / "_timeline.py")
+
+
+def union_within(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    """The union of ``intervals`` clipped to [lo, hi], as sorted disjoint intervals."""
+    clipped = sorted((max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi)
+    merged: list[tuple[float, float]] = []
+    for a, b in clipped:
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def split_steps(timeline: list) -> dict[str, float]:
+    """Seconds of every step of a job, summed: total, generation-or-training, sync only, controller, reward."""
+    by_kind: dict[str, list[tuple[float, float]]] = {}
+    for kind, start, end, _ in timeline:
+        by_kind.setdefault(kind, []).append((start, end))
+    out = dict.fromkeys(("total", "gen_or_train", "sync_only", "controller", "reward"), 0.0)
+    for lo, hi in by_kind["step"]:
+        gen_train = union_within(by_kind.get("gen", []) + by_kind.get("train", []), lo, hi)
+        busy = union_within(gen_train + by_kind.get("sync", []), lo, hi)
+        reward = union_within(by_kind.get("reward", []), lo, hi)
+        out["total"] += hi - lo
+        out["gen_or_train"] += length(gen_train)
+        out["sync_only"] += length(busy) - length(gen_train)
+        out["controller"] += (hi - lo) - length(busy)
+        out["reward"] += length(union_within(reward + busy, lo, hi)) - length(busy)  # reward calls alone
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--quick", action="store_true", help="2 steps of 8 prompts, one run, staleness 0 (smoke)")
+    parser.add_argument("--keep", action="store_true", help="keep the run directories")
+    parser.add_argument("overrides", nargs="*", help="more hpcrl.main overrides, for every job")
+    args = parser.parse_args()
+    if args.quick:
+        args.runs, args.steps, args.staleness, args.overrides = 1, 2, [0], [*QUICK, *args.overrides]
+    root = Path(tempfile.mkdtemp(prefix="hpcrl-bench-overhead-"))
+    results: dict[int, list[dict[str, float]]] = {s: [] for s in args.staleness}
+    try:
+        for r in range(args.runs):
+            for s in args.staleness:
+                trial = f"run{r}-staleness{s}"
+                out = root / f"{trial}.timeline.json"
+                overrides = [*FIXED, f"run.max_steps={args.steps}", f"rollout.max_staleness={s}", *args.overrides]
+                run_job(overrides, root, trial, argv=[TIMELINE, str(out)])
+                results[s].append(split_steps(json.loads(out.read_text())))
+                shares = {k: round(v / results[s][-1]["total"], 3) for k, v in results[s][-1].items()}
+                print(f"run {r + 1}/{args.runs} staleness {s}: shares {shares}", file=sys.stderr, flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    report(results, args)
+
+
+def report(results: dict[int, list[dict[str, float]]], args) -> None:
+    def share(s: int, key: str) -> float:
+        return median([r[key] / r["total"] for r in results[s]])
+
+    rows = []
+    for s, runs in results.items():
+        neither = [(r["sync_only"] + r["controller"]) / r["total"] for r in runs]
+        rows.append(
+            [
+                f"max_staleness={s}",
+                median([r["total"] / args.steps for r in runs]),
+                share(s, "gen_or_train"),
+                share(s, "sync_only"),
+                share(s, "controller"),
+                share(s, "reward"),
+                median(neither),
+                ", ".join(f"{v:.3f}" for v in neither),
+            ]
+        )
+    print(f"{args.steps} steps per job, median of {args.runs} runs; shares of the steps' wall time")
+    header = ["job", "s/step", "gen or train", "weight sync", "controller", "(reward)", "neither", "neither, each run"]
+    print(table(header, rows))
+    for s, runs in results.items():
+        neither = median([(r["sync_only"] + r["controller"]) / r["total"] for r in runs])
+        controller = share(s, "controller")
+        print(
+            f"max_staleness={s}: neither generation nor training {neither:.1%} of the step (goal < 5%): "
+            f"{'met' if neither < 0.05 else 'missed'}; controller alone {controller:.1%}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""hpcrl's RPC against raw loopback TCP: throughput of tensor payloads, and no-op call latency.
+
+    python bench/rpc.py [--runs 5] [--sizes-mib 1 64] [--quick]
+
+A second process (this script with ``--serve``) hosts an ``RpcServer`` and a raw TCP sink on 127.0.0.1, as a
+trainer rank is a process of its own. The client (this process) sends, side by side in each run:
+
+- RPC: ``RpcClient.call("sink", [Echo([tensor], "")])``: one uint8 tensor of the payload size, encoded as a
+  frame (header + the tensor's bytes), decoded by the server into a tensor, answered with an ``Ack``;
+- raw TCP: the same bytes with ``socket.sendall`` after an 8-byte length, received by the sink with
+  ``recv_into`` into one preallocated buffer, answered with one byte.
+
+Throughput is payload bytes over the wall time of ``--calls`` sends one after another (connections already
+open). Latency: ``ping`` (a Ping answered with a Pong, handler thread included) and a 1-byte raw round trip,
+one at a time. Goal: RPC / raw >= 0.5 at 64 MiB. Medians over runs of the per-run ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+from _jobs import median, table
+
+from hpcrl.rpc import RpcClient, RpcServer
+from hpcrl.rpc.messages import Ack, Echo, Ping, Pong
+
+TOKEN = "bench-token-" + "x" * 32
+MIB = 1 << 20
+
+
+# --- the server process ---------------------------------------------------------------------------------
+
+
+def serve() -> None:
+    def sink(msg: Echo) -> Ack:
+        assert msg.tensors[0].numel() > 0
+        return Ack()
+
+    def ping(_: Ping) -> Pong:
+        return Pong(rank=0, pid=os.getpid())
+
+    server = RpcServer({"sink": sink, "ping": ping}, TOKEN, 0, host="127.0.0.1")
+    address = server.start_in_thread()
+    listener = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_raw_sink, args=(listener,), daemon=True).start()
+    print(json.dumps({"rpc": address, "raw": listener.getsockname()[1]}), flush=True)
+    server.serve_until_stopped()
+
+
+def _raw_sink(listener: socket.socket) -> None:
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = memoryview(bytearray(0))
+    while True:
+        header = _recv_exactly(conn, memoryview(bytearray(8)))
+        if header is None:
+            return
+        (size,) = struct.unpack("!Q", header)
+        if len(buf) < size:
+            buf = memoryview(bytearray(size))
+        _recv_exactly(conn, buf[:size])
+        conn.sendall(b"k")
+
+
+def _recv_exactly(conn: socket.socket, view: memoryview) -> memoryview | None:
+    pos = 0
+    while pos < len(view):
+        n = conn.recv_into(view[pos:])
+        if n == 0:
+            return None
+        pos += n
+    return view
+
+
+# --- the client -----------------------------------------------------------------------------------------
+
+
+class Raw:
+    def __init__(self, port: int):
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def send(self, payload: memoryview) -> None:
+        self.sock.sendall(struct.pack("!Q", len(payload)))
+        self.sock.sendall(payload)
+        if self.sock.recv(1) != b"k":
+            raise ConnectionError("the raw sink went away")
+
+
+async def rpc_throughput(client: RpcClient, tensor: torch.Tensor, calls: int) -> float:
+    msg = Echo([tensor], "")
+    start = time.perf_counter()
+    for _ in range(calls):
+        await client.call("sink", [msg])
+    return tensor.numel() * calls / (time.perf_counter() - start) / MIB
+
+
+def raw_throughput(raw: Raw, tensor: torch.Tensor, calls: int) -> float:
+    payload = memoryview(tensor.numpy()).cast("B")
+    start = time.perf_counter()
+    for _ in range(calls):
+        raw.send(payload)
+    return tensor.numel() * calls / (time.perf_counter() - start) / MIB
+
+
+async def rpc_latencies(client: RpcClient, calls: int) -> list[float]:
+    out = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        await client.call("ping", [Ping()])
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def raw_latencies(raw: Raw, calls: int) -> list[float]:
+    one = memoryview(b"p")
+    out = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        raw.send(one)
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def calls_for(size: int, quick: bool) -> int:
+    """About 1 GiB a measurement (at least 5 calls); a tenth of that with --quick."""
+    budget = (64 if quick else 1024) * MIB
+    return max(5 if not quick else 2, budget // size)
+
+
+async def measure(addresses: dict, args) -> dict[str, list[float]]:
+    rows: dict[str, list[float]] = {}
+    tensors = {mib: torch.randint(0, 256, (int(mib * MIB),), dtype=torch.uint8) for mib in args.sizes_mib}
+    raw = Raw(addresses["raw"])
+    async with RpcClient([addresses["rpc"]], TOKEN) as client:
+        for t in tensors.values():  # warm-up: connections, buffer pools
+            await client.call("sink", [Echo([t], "")])
+            raw.send(memoryview(t.numpy()).cast("B"))
+        await rpc_latencies(client, 20)
+        for _ in range(args.runs):
+            for mib, t in tensors.items():
+                calls = calls_for(t.numel(), args.quick)
+                rows.setdefault(f"rpc {mib:g} MiB", []).append(await rpc_throughput(client, t, calls))
+                rows.setdefault(f"raw {mib:g} MiB", []).append(raw_throughput(raw, t, calls))
+            rpc_lat, raw_lat = await rpc_latencies(client, args.pings), raw_latencies(raw, args.pings)
+            rows.setdefault("rpc ping p50", []).append(percentile(rpc_lat, 0.5) * 1e6)
+            rows.setdefault("rpc ping p99", []).append(percentile(rpc_lat, 0.99) * 1e6)
+            rows.setdefault("raw 1 B p50", []).append(percentile(raw_lat, 0.5) * 1e6)
+            rows.setdefault("raw 1 B p99", []).append(percentile(raw_lat, 0.99) * 1e6)
+        await client.shutdown()
+    raw.sock.close()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 64])
+    parser.add_argument("--pings", type=int, default=1000, help="no-op calls per latency measurement")
+    parser.add_argument("--quick", action="store_true", help="one run, small counts (smoke test)")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        return serve()
+    if args.quick:
+        args.runs, args.pings = 1, 50
+    server = subprocess.Popen([sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True)
+    try:
+        addresses = json.loads(server.stdout.readline())
+        rows = asyncio.run(measure(addresses, args))
+        server.wait(30)
+    finally:
+        if server.poll() is None:
+            server.kill()  # only if it did not stop on the shutdown call
+            server.wait()
+    report(rows, args)
+
+
+def report(rows: dict[str, list[float]], args) -> None:
+    print(f"loopback 127.0.0.1, server in a second process; median of {args.runs} runs")
+    out = []
+    for mib in args.sizes_mib:
+        rpc, raw = rows[f"rpc {mib:g} MiB"], rows[f"raw {mib:g} MiB"]
+        ratio = median([a / b for a, b in zip(rpc, raw, strict=True)])
+        each = ", ".join(f"{a:.0f}/{b:.0f}" for a, b in zip(rpc, raw, strict=True))
+        out.append([f"{mib:g} MiB tensor", median(rpc), median(raw), ratio, each])
+    print(table(["payload", "rpc MiB/s", "raw TCP MiB/s", "rpc / raw", "each run (rpc/raw)"], out))
+    print()
+    lat = [
+        ["rpc no-op call (Ping -> Pong)", median(rows["rpc ping p50"]), median(rows["rpc ping p99"])],
+        ["raw TCP 1-byte round trip", median(rows["raw 1 B p50"]), median(rows["raw 1 B p99"])],
+    ]
+    print(table(["latency", "p50 us", "p99 us"], lat))
+    big = max(args.sizes_mib)
+    ratio = median([a / b for a, b in zip(rows[f"rpc {big:g} MiB"], rows[f"raw {big:g} MiB"], strict=True)])
+    print(f"rpc / raw at {big:g} MiB = {ratio:.2f} (goal >= 0.5): {'met' if ratio >= 0.5 else 'missed'}")
+
+
+if __name__ == "__main__":
+    main()

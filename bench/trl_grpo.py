@@ -1,0 +1,249 @@
+"""hpcrl against TRL's GRPOTrainer: wall-clock to a mean training reward of 0.8 on the mod10 task.
+
+    python bench/trl_grpo.py [--runs 3] [--max-steps 150] [--time-cap-s 600] [--target 0.8] [--trl-threads N]
+                             [--quick]
+
+Needs TRL in the venv (only for this benchmark): ``pip install trl==1.16.0`` (with transformers 5.x).
+
+The same start for both, per run (seed = run index): the default job's tiny model (Qwen2, hidden 128, 2
+layers, 4 heads, MLP 512, the mod10 alphabet ``+0123456789=``), made once with ``make_tiny_model`` and loaded
+by both from the same directory (hpcrl: ``model=local``); the same rows (``make_mod10(2000, 200, seed)``'s
+training split) and reward (``hpcrl.reward.builtin:mod10``). Both with the default job's settings: 64 prompts x
+8 completions a step (group size 8), at most 2 new tokens, temperature 1, AdamW lr 5e-4 constant, grad clip
+1.0, clip 0.2, no KL, group mean/std advantages, per-sequence token mean loss, and 2 optimizer updates of 256
+completions on each batch of 512 (TRL: ``per_device_train_batch_size=256, steps_per_generation=2``,
+``loss_type="grpo"``; its "reward" is logged once per generation batch with ``logging_steps=2``).
+
+hpcrl runs as ``python -m hpcrl.main`` (one CPU server, two FSDP trainer ranks); TRL runs in one process
+(this script with ``--trl-run``: CPU, no vLLM, generation with ``model.generate``). Each is stopped as soon as
+a step's mean reward over its 512 completions reaches ``--target``, or at ``--max-steps`` steps (a step =
+one batch of 512 = 2 optimizer updates) or ``--time-cap-s``. Reported: steps and seconds to the target,
+training only (hpcrl: the steps' ``time_step_s``; TRL: from ``on_train_begin``) and from the command's start.
+TRL runs with torch's default threads (one per core) unless ``--trl-threads`` says otherwise: a 2-thread
+process slows several-fold on a machine whose cores others are using.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _jobs import median, run_job, table
+
+ALPHABET = "+0123456789="
+TINY = dict(hidden_size=128, num_layers=2, num_heads=4, intermediate_size=512)  # conf/model/tiny.yaml
+PROMPTS, GROUP, LR = 64, 8, 5e-4
+
+
+# --- TRL, in its own process ----------------------------------------------------------------------------
+
+
+def trl_run(model_dir: str, seed: int, prompts: int, max_steps: int, time_cap_s: float, target: float, out: str):
+    started = time.time()
+    import torch
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hpcrl.data.mod10 import make_mod10
+    from hpcrl.models.tokenizer import load_tokenizer
+    from hpcrl.reward.builtin import mod10
+
+    def reward(prompts, completions, answer, **_):
+        return [mod10(p, c, a) for p, c, a in zip(prompts, completions, answer, strict=True)]
+
+    record: dict = {"started": started, "log": []}
+
+    class Stop(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            record["train_begin"] = time.time()
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "reward" in logs:
+                now = time.time()
+                record["log"].append((state.global_step // 2, logs["reward"], now))
+                if logs["reward"] >= target or now - record["train_begin"] > time_cap_s:
+                    control.should_training_stop = True
+
+    torch.manual_seed(seed)
+    train, _ = make_mod10(2000, 200, seed)
+    config = GRPOConfig(
+        output_dir=str(Path(out).parent / f"trl-{seed}"),
+        use_cpu=True,
+        bf16=False,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        per_device_train_batch_size=prompts * GROUP // 2,
+        gradient_accumulation_steps=1,
+        steps_per_generation=2,
+        num_generations=GROUP,
+        max_completion_length=2,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=0.0,
+        epsilon=0.2,
+        loss_type="grpo",
+        scale_rewards="group",
+        num_iterations=1,
+        gradient_checkpointing=False,
+        logging_steps=2,
+        max_steps=2 * max_steps,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=seed,
+    )
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_dir),
+        reward_funcs=reward,
+        args=config,
+        train_dataset=train,
+        processing_class=load_tokenizer(model_dir),
+        callbacks=[Stop()],
+    )
+    trainer.train()
+    Path(out).write_text(json.dumps(record))
+
+
+def run_trl(model_dir: Path, seed: int, args, work: Path) -> dict:
+    out = work / f"trl-{seed}.json"
+    cmd = [sys.executable, __file__, "--trl-run", str(model_dir), str(seed), str(args.prompts), str(args.max_steps)]
+    cmd += [str(args.time_cap_s), str(args.target), str(out)]
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(args.trl_threads)} if args.trl_threads else {})}
+    spawned = time.time()
+    with (work / f"trl-{seed}.out").open("w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=args.time_cap_s + 600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"TRL run failed ({proc.returncode}): {(work / f'trl-{seed}.out').read_text()[-3000:]}")
+    record = json.loads(out.read_text())
+    log_ = record["log"]
+    hit = next((row for row in log_ if row[1] >= args.target), None)
+    return {
+        "reached": hit is not None,
+        "steps": hit[0] if hit else log_[-1][0],
+        "train_s": (hit[2] if hit else log_[-1][2]) - record["train_begin"],
+        "command_s": (hit[2] if hit else log_[-1][2]) - spawned,
+        "last_reward": log_[-1][1],
+    }
+
+
+# --- hpcrl ----------------------------------------------------------------------------------------------
+
+
+def run_hpcrl(model_dir: Path, seed: int, args, work: Path) -> dict:
+    def reached(metrics) -> bool:
+        return any(m["reward_mean"] >= args.target for m in metrics)
+
+    start = time.monotonic()
+
+    def stop(metrics) -> bool:  # the target, or the time cap (the step cap is run.max_steps)
+        elapsed = sum(m["time_step_s"] for m in metrics)
+        return reached(metrics) or elapsed > args.time_cap_s or time.monotonic() - start > args.time_cap_s + 300
+
+    overrides = [
+        "model=local",
+        f"model.path={model_dir}",
+        "model.dtype=float32",
+        f"run.seed={seed}",
+        f"run.max_steps={args.max_steps}",
+        f"rollout.prompts_per_step={args.prompts}",
+        f"algorithm.group_size={GROUP}",
+        f"train.lr={LR}",
+        "eval.stop_at_accuracy=0",
+        "eval.every_steps=0",
+        *(["dataset.eval_size=16"] if args.quick else []),
+    ]
+    job = run_job(overrides, work, f"hpcrl-{seed}", timeout_s=args.time_cap_s + 900, stop_when=stop)
+    metrics = job.metrics
+    hit = next((i for i, m in enumerate(metrics) if m["reward_mean"] >= args.target), None)
+    upto = metrics[: hit + 1] if hit is not None else metrics
+    return {
+        "reached": hit is not None,
+        "steps": len(upto),
+        "train_s": sum(m["time_step_s"] for m in upto),
+        "command_s": job.stopped_s if hit is not None else job.process_s,
+        "last_reward": upto[-1]["reward_mean"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--max-steps", type=int, default=150, help="step cap of each run (a step = 512 samples)")
+    parser.add_argument("--time-cap-s", type=float, default=600, help="training time cap of each run")
+    parser.add_argument("--target", type=float, default=0.8, help="mean training reward of one step")
+    parser.add_argument("--prompts", type=int, default=PROMPTS, help="prompts per step (x 8 completions)")
+    parser.add_argument("--trl-threads", type=int, default=0, help="TRL's torch threads; 0 = torch's default")
+    parser.add_argument("--quick", action="store_true", help="2 steps of 8 prompts, one run (smoke test)")
+    parser.add_argument("--trl-run", nargs=7, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.trl_run:
+        m, seed, prompts, steps, cap, target, out = args.trl_run
+        return trl_run(m, int(seed), int(prompts), int(steps), float(cap), float(target), out)
+    if args.quick:
+        args.runs, args.max_steps, args.prompts = 1, 2, 8
+    from hpcrl.models.tiny import make_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix="hpcrl-bench-trl-"))
+    results: dict[str, list[dict]] = {"hpcrl": [], "trl": []}
+    try:
+        for seed in range(args.runs):
+            model_dir = make_tiny_model(work / f"model-{seed}", seed=seed, characters=ALPHABET, **TINY)
+            results["hpcrl"].append(run_hpcrl(model_dir, seed, args, work))
+            print(f"seed {seed} hpcrl: {results['hpcrl'][-1]}", file=sys.stderr, flush=True)
+            results["trl"].append(run_trl(model_dir, seed, args, work))
+            print(f"seed {seed} trl: {results['trl'][-1]}", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report(results, args)
+
+
+def report(results: dict[str, list[dict]], args) -> None:
+    print(
+        f"to mean training reward >= {args.target}; {args.prompts} prompts x {GROUP} a step; caps {args.max_steps} "
+        f"steps, {args.time_cap_s:.0f} s; median of {args.runs} runs (seeds 0..{args.runs - 1}); TRL threads "
+        f"{args.trl_threads or 'default'}"
+    )
+    rows = []
+    for name, runs in results.items():
+        rows.append(
+            [
+                name,
+                f"{sum(r['reached'] for r in runs)}/{len(runs)}",
+                median([r["steps"] for r in runs]),
+                median([r["train_s"] for r in runs]),
+                median([r["command_s"] for r in runs]),
+                median([r["train_s"] / r["steps"] for r in runs]),
+                ", ".join(f"{r['train_s']:.1f}" + ("" if r["reached"] else "*") for r in runs),
+            ]
+        )
+    header = ["trainer", "reached", "steps", "train s", "command s", "s/step", "train s, each run"]
+    print(table(header, rows))
+    for name, runs in results.items():
+        for seed, r in enumerate(runs):
+            if not r["reached"]:
+                print(
+                    f"* {name} seed {seed} did not reach {args.target}: {r['steps']} steps, last reward "
+                    f"{r['last_reward']:.3f}; its times are to the cap"
+                )
+    pairs = list(zip(results["trl"], results["hpcrl"], strict=True))
+    ratio = median([t["train_s"] / h["train_s"] for t, h in pairs])
+    command = median([t["command_s"] / h["command_s"] for t, h in pairs])
+    all_reached = all(r["reached"] for runs in results.values() for r in runs)
+    verdict = ("met" if ratio >= 2 else "missed") if all_reached else "not measured (a run missed the target)"
+    print(
+        f"TRL / hpcrl time to the target, training = {ratio:.2f} (goal >= 2): {verdict}; whole command = {command:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

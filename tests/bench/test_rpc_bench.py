@@ -1,0 +1,13 @@
+"""bench/rpc.py: RPC and raw TCP side by side, and the latency table."""
+
+from tests.bench.conftest import assert_table
+
+
+def test_rpc_bench_prints_throughput_and_latency(run_bench):
+    out = run_bench("rpc")
+    rows = assert_table(out, "payload", "rpc MiB/s", "raw TCP MiB/s", "rpc / raw")
+    assert [r[0] for r in rows] == ["1 MiB tensor", "64 MiB tensor"]
+    assert all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows)
+    latency = assert_table(out, "latency", "p50 us", "p99 us")
+    assert all(float(r[1]) <= float(r[2]) for r in latency), out
+    assert "rpc / raw at 64 MiB" in out
