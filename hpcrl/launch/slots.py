@@ -15,6 +15,7 @@ A scheduler hands each worker its role's first slot and the world size in the en
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Mapping
 
@@ -114,3 +115,15 @@ def _int_env(env: Mapping[str, str], name: str) -> int:
         return int(value)
     except ValueError:
         raise ValueError(f"{name}={value!r} is not an integer") from None
+
+
+def parse_worker_args(prog: str, description: str, what: str, argv: list[str] | None = None) -> argparse.Namespace:
+    """``--run-dir`` and ``--rank`` of a worker process, by default from what its scheduler set in the
+    environment (HPCRL_RUN_DIR, HPCRL_RANK); ``what`` names the role's workers in the help."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--run-dir", default=os.environ.get("HPCRL_RUN_DIR"), help="run directory (HPCRL_RUN_DIR)")
+    p.add_argument("--rank", type=int, default=os.environ.get(RANK_ENV), help=f"rank among {what} (HPCRL_RANK)")
+    args = p.parse_args(argv)
+    if args.run_dir is None or args.rank is None:
+        p.error("needs the run directory and the rank: pass --run-dir and --rank, or set HPCRL_RUN_DIR and HPCRL_RANK")
+    return args

@@ -53,7 +53,7 @@ from hpcrl.config.load import load_run_config
 from hpcrl.config.schema import Config
 from hpcrl.launch.addresses import port_range, worker_addresses
 from hpcrl.launch.registry import Entry, Registry
-from hpcrl.launch.slots import RANK_ENV, worker_ports
+from hpcrl.launch.slots import parse_worker_args, worker_ports
 from hpcrl.logs import setup_logging
 from hpcrl.rollout.remote import EpisodeRequest, SetResumed
 from hpcrl.rollout.workflow import Group, Workflow
@@ -77,13 +77,7 @@ class _Stopped(Exception):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m hpcrl.rollout.episode_worker", description=__doc__.splitlines()[0])
-    p.add_argument("--run-dir", default=os.environ.get("HPCRL_RUN_DIR"), help="run directory (HPCRL_RUN_DIR)")
-    p.add_argument("--rank", type=int, default=os.environ.get(RANK_ENV), help="rank among rollout workers (HPCRL_RANK)")
-    args = p.parse_args(argv)
-    if args.run_dir is None or args.rank is None:
-        p.error("needs the run directory and the rank: pass --run-dir and --rank, or set HPCRL_RUN_DIR and HPCRL_RANK")
-    return args
+    return parse_worker_args("python -m hpcrl.rollout.episode_worker", __doc__.splitlines()[0], "rollout workers", argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,7 +36,7 @@ from hpcrl.config.schema import Config
 from hpcrl.launch.addresses import port_range, worker_addresses
 from hpcrl.launch.process import Child, ChildExited
 from hpcrl.launch.registry import Entry, Registry
-from hpcrl.launch.slots import RANK_ENV, worker_ports
+from hpcrl.launch.slots import parse_worker_args, worker_ports
 from hpcrl.logs import setup_logging
 from hpcrl.rollout.client import InferenceClient, InferenceError
 from hpcrl.rollout.serve import ServerProcess, start_server, stop_servers
@@ -73,13 +73,7 @@ class _Signals:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m hpcrl.rollout.worker", description=__doc__.splitlines()[0])
-    p.add_argument("--run-dir", default=os.environ.get("HPCRL_RUN_DIR"), help="run directory (HPCRL_RUN_DIR)")
-    p.add_argument("--rank", type=int, default=os.environ.get(RANK_ENV), help="rank among the servers (HPCRL_RANK)")
-    args = p.parse_args(argv)
-    if args.run_dir is None or args.rank is None:
-        p.error("needs the run directory and the rank: pass --run-dir and --rank, or set HPCRL_RUN_DIR and HPCRL_RANK")
-    return args
+    return parse_worker_args("python -m hpcrl.rollout.worker", __doc__.splitlines()[0], "the servers", argv)
 
 
 def main(argv: list[str] | None = None) -> int:
