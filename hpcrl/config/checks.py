@@ -227,6 +227,7 @@ def check_workflow_groups(w: WorkflowConfig, group_size: int) -> None:
 
 
 def check_inference(i: InferenceConfig) -> None:
+    one_of("inference.on_server_exit", i.on_server_exit, ("drop", "fail"))
     frac = i.mem_fraction_static
     require(0 < frac < 1, "inference.mem_fraction_static", frac, "a fraction in (0, 1)")
     n = i.max_running_requests

@@ -31,7 +31,7 @@ from hpcrl.controller.progress import Progress
 from hpcrl.controller.trainers import Trainers
 from hpcrl.controller.weights import WeightSync
 from hpcrl.launch.addresses import port_range
-from hpcrl.launch.base import RoleSpec, Scheduler
+from hpcrl.launch.base import RoleSpec, Scheduler, WorkerFailed
 from hpcrl.launch.local import LocalScheduler
 from hpcrl.launch.slots import PortSlots
 from hpcrl.reward.pool import RewardPool
@@ -64,7 +64,11 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
         rollout_entries = rollouts[0].wait_ready() if rollouts else []
 
         def check_alive() -> None:
-            servers.check_alive()
+            try:
+                servers.check_alive()
+            except WorkerFailed as e:
+                if not drop_dead_server(cfg, servers, e, workers, server_entries):
+                    raise
             trainers.check_alive()
 
         workers = Workers(None, None, rewards, check_alive)  # client and trainers are opened below
@@ -102,6 +106,26 @@ async def _drive(cfg, run_dir, workers, addresses, token, scheduler, rows, preem
             log.info("episodes each rollout worker ran, by rank: %s", json.dumps(episodes.completed))
             await episodes.shutdown()
     return summary
+
+
+def drop_dead_server(cfg: Config, servers: Any, failure: WorkerFailed, workers: Workers, entries: list) -> bool:
+    """inference.on_server_exit=drop: take a dead server out of the pool when the run can go on without it
+    (other servers live, weights go by disk, the scheduler can watch workers one by one). True if dropped."""
+    live = [e.address for e in entries if e.address in workers.client.addresses]
+    can = (
+        cfg.inference.on_server_exit == "drop"
+        and cfg.train.weight_sync == "disk"  # a process group would wait for the dead member
+        and hasattr(servers, "drop")  # local workers; a Slurm job holds all of a role's servers
+        and isinstance(failure.worker, int)
+        and len(live) > 1
+    )
+    if not can:
+        return False
+    servers.drop(failure.worker)
+    workers.client.remove(entries[failure.worker].address)
+    workers.lost_servers += 1
+    log.warning("%s; it leaves the pool, %d servers go on (inference.on_server_exit=drop)", failure, len(live) - 1)
+    return True
 
 
 def make_scheduler(cfg: Config, run_dir: RunDir, slots: PortSlots) -> Scheduler:

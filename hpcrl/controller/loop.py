@@ -44,6 +44,7 @@ class Workers:
     rewards: Any  # reward.pool.RewardPool
     check_alive: Callable[[], None]  # raises naming the worker when one has died
     episodes: Any = None  # rollout.remote.RemoteEpisodes when rollout workers run the episodes, else None
+    lost_servers: int = 0  # servers that died and left the pool (inference.on_server_exit=drop)
 
 
 class Loop:
@@ -163,7 +164,7 @@ class Loop:
         chunks = _split(sequences, cfg.algorithm.updates_per_batch)
         results = [await self.w.trainers.train_step(shard(c, self.w.trainers.world_size)) for c in chunks]
         t2 = time.monotonic()
-        await sync.push(step)
+        await self._push(sync, step)
         executor.set_version(step)
         t3 = time.monotonic()
         trained = sorted({k for r in results for k in r} - {"step"})  # loss, grad_norm, clip_frac, kl, ...
@@ -172,6 +173,7 @@ class Loop:
         metrics.update(
             groups_rejected=executor.rejected_total,
             groups_failed=executor.failed_total,
+            servers_lost=self.w.lost_servers,
             time_rollout_wait_s=round(t1 - t0, 4),
             time_train_s=round(t2 - t1, 4),
             time_sync_s=round(t3 - t2, 4),
@@ -225,6 +227,29 @@ class Loop:
             self.counters["groups_equal_reward"] += 1
             return False
         return True
+
+    async def _push(self, sync: WeightSync, step: int) -> None:
+        """The weight sync; one that failed because a server died goes again once that server has left the pool."""
+        from hpcrl.rollout.client import InferenceError
+
+        servers = len(self.w.client.addresses)
+        try:
+            await sync.push(step)
+        except InferenceError:
+            if not await self._server_left(servers):
+                raise
+            log.warning("the weight sync of step %d failed on a server that has died; again without it", step)
+            await sync.push(step)
+
+    async def _server_left(self, servers: int, grace_s: float = 10.0) -> bool:
+        """Whether a server leaves the pool within ``grace_s`` (its worker may take a moment to exit)."""
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            self.w.check_alive()  # drops a dead server (inference.on_server_exit=drop), or raises naming it
+            if len(self.w.client.addresses) < servers:
+                return True
+            await asyncio.sleep(0.2)
+        return False
 
     async def _stop_for_preemption(self, step: int, checkpointed: bool) -> None:
         """Slurm's warning came (preempt.py): make sure ``step`` is checkpointed, then stop the run."""

@@ -192,6 +192,7 @@ class LocalWorkerGroup(WorkerGroup):
         self.grace_s = grace_s
         self._on_stop = on_stop
         self._ranks: dict[int, psutil.Process] = {}  # torchrun ranks seen so far, by PID
+        self.dropped: set[int] = set()  # workers that died and that the run goes on without
 
     def check_alive(self) -> None:
         if self.spec.torchrun:
@@ -199,8 +200,12 @@ class LocalWorkerGroup(WorkerGroup):
             return
         for rank, child in enumerate(self.children):
             code = child.poll()
-            if code is not None:
+            if code is not None and rank not in self.dropped:
                 raise WorkerFailed(self.role, rank, code, child.log_tail(LOG_LINES), child.log_file)
+
+    def drop(self, rank: int) -> None:
+        """Stop checking worker ``rank``: it has died and the run goes on without it."""
+        self.dropped.add(rank)
 
     def stop(self) -> None:
         self._track_ranks()

@@ -83,6 +83,17 @@ class InferenceClient:
         self._cursor = (self.addresses.index(choice) + 1) % n
         return choice
 
+    def remove(self, server: str) -> None:
+        """Take a dead server out of the pool: no new request and no control call goes to it again.
+
+        Requests already sent to it fail on their own (connection errors retry on the other servers)."""
+        if server not in self.addresses:
+            raise ValueError(f"server {server!r} is not in the pool: {', '.join(self.addresses)}")
+        if len(self.addresses) == 1:
+            raise ValueError(f"server {server!r} is the last one in the pool")
+        self.addresses.remove(server)
+        self._cursor %= len(self.addresses)
+
     async def generate(
         self,
         input_ids: list[int],
