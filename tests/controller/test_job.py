@@ -27,6 +27,15 @@ def metrics_of(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def wait_for_steps(proc, run_dir, steps: int, timeout_s: float = 300) -> None:
+    """Wait until the running job ``proc`` has logged ``steps`` steps (mid-run); fail if it ends first."""
+    deadline = time.monotonic() + timeout_s
+    while not ((run_dir / "metrics.jsonl").exists() and len(metrics_of(run_dir)) >= steps):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"fewer than {steps} training steps within {timeout_s} s"
+        time.sleep(0.2)
+
+
 def processes_of(run_dir: str) -> list[psutil.Process]:
     """Live processes whose environment names this run directory (every worker the schedulers start)."""
     found = []

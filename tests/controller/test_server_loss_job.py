@@ -3,14 +3,13 @@ others; with ``fail`` the run fails naming the server."""
 
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
 
 from hpcrl.launch.registry import Registry
 from tests.conftest import REPO
-from tests.controller.test_job import metrics_of, processes_of
+from tests.controller.test_job import metrics_of, processes_of, wait_for_steps
 
 pytestmark = pytest.mark.slow
 
@@ -21,11 +20,7 @@ def kill_a_server_after_two_steps(tmp_path, *overrides: str) -> tuple[subprocess
     cmd = [sys.executable, "-m", "hpcrl.main", f"run.root={tmp_path}", *RUN, *overrides]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run_dir = tmp_path / "default" / "t"
-    deadline = time.monotonic() + 300
-    while not ((run_dir / "metrics.jsonl").exists() and len(metrics_of(run_dir)) >= 2):
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "no training step within 300 s"
-        time.sleep(0.2)
+    wait_for_steps(proc, run_dir, 2)
     (worker,) = [e for e in Registry(run_dir / "registry").entries("server") if e.rank == 1]
     # the inference server itself crashes; its worker notices and exits
     for server in psutil.Process(worker.pid).children(recursive=True):
