@@ -52,6 +52,9 @@ def validate(cfg: Config) -> Config:
     check_reward(cfg.reward)
     check_eval(cfg.eval)
     require(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", cfg.checkpoint.every_steps, "an integer >= 0")
+    require(
+        cfg.checkpoint.keep >= 0, "checkpoint.keep", cfg.checkpoint.keep, "an integer >= 0 (0 = keep every checkpoint)"
+    )
     check_recover(cfg)
     warn_ignored(cfg)
     return replace(cfg, allocation=allocation)

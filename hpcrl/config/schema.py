@@ -202,6 +202,7 @@ class EvalConfig:
 @dataclass
 class CheckpointConfig:
     every_steps: int = 0  # a resumable checkpoint every this many steps; 0 = none
+    keep: int = 2  # complete checkpoints kept, the newest; older ones are deleted once a new one is complete; 0 = all
 
 
 @dataclass

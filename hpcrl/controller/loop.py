@@ -55,7 +55,7 @@ class Loop:
         self.resumed.set()
         self.counters = {"reward_errors": 0, "groups_dropped": 0, "groups_equal_reward": 0}
         self.rows = TrainingRows(train_rows, cfg.run.seed)  # the rollout's rows, from a position checkpoints keep
-        self.checkpoints = Checkpoints(run_dir.checkpoints)
+        self.checkpoints = Checkpoints(run_dir.checkpoints, cfg.checkpoint.keep)
         self.executor: RolloutExecutor | None = None  # while the loop runs
         self.accuracy_before = self.accuracy = 0.0  # held-out accuracy before step 1, and the latest measured
         self.progress: Callable[[int, dict[str, Any]], None] = lambda step, metrics: None

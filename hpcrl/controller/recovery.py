@@ -8,9 +8,10 @@
 
 Saving (the loop, between steps, every ``checkpoint.every_steps`` steps): the controller's state is taken (step,
 weight version, data position, RNG states, counters, eval accuracy) -> the trainers write ``step_NNNNNN`` ->
-``controller.json`` is written into it -> ``latest`` is rewritten. Both files are written atomically (a temporary
-file renamed over the name), so a crash at any moment leaves every earlier checkpoint whole and, at worst, a
-``.partial`` directory or a step directory without ``controller.json``.
+``controller.json`` is written into it -> ``latest`` is rewritten -> complete checkpoints older than the newest
+``checkpoint.keep`` are deleted. Both files are written atomically (a temporary file renamed over the name), so a
+crash at any moment leaves every earlier checkpoint whole (a prune starts once the new one is complete) and, at
+worst, a ``.partial`` directory or a step directory without ``controller.json``.
 
 Resuming (``recover.mode=auto``, the same run directory): the checkpoint is the newest step directory that has
 ``controller.json`` (not ``latest``, which a crash between the two writes leaves one behind); incomplete ones are
@@ -64,8 +65,9 @@ class ControllerState:
 class Checkpoints:
     """The run's ``checkpoints/`` directory: where step N goes, marking one complete, finding the newest."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, keep: int = 0):
         self.directory = directory
+        self.keep = keep  # complete checkpoints kept, the newest; 0 = every one
 
     def step_dir(self, step: int) -> Path:
         return self.directory / f"step_{step:06d}"
@@ -75,7 +77,16 @@ class Checkpoints:
         path = self.step_dir(state.step)
         write_atomic(path / CONTROLLER_FILE, state.to_json())
         write_atomic(self.directory / LATEST_FILE, path.name + "\n")
+        self.prune()
         return path
+
+    def prune(self) -> list[str]:
+        """Delete the complete checkpoints older than the newest ``keep`` (none when keep is 0), oldest first."""
+        old = self.complete()[: -self.keep] if self.keep else []
+        for path in old:
+            shutil.rmtree(path)
+            log.info("deleted checkpoint %s: checkpoint.keep=%d newer ones are kept", path.name, self.keep)
+        return [p.name for p in old]
 
     def complete(self) -> list[Path]:
         """Complete checkpoints, oldest first."""

@@ -96,3 +96,20 @@ def test_a_state_file_of_another_version_is_refused_with_its_path(tmp_path):
     (tmp_path / "step_000002" / CONTROLLER_FILE).write_text('{"step": 2}')
     with pytest.raises(ValueError, match=r"step_000002/controller\.json is not a controller state"):
         checkpoints.latest()
+
+
+def test_only_the_newest_checkpoints_are_kept(tmp_path):
+    checkpoints = Checkpoints(tmp_path, keep=2)
+    for step in (2, 4, 6):
+        save(checkpoints, step)
+    (tmp_path / "step_000008.partial").mkdir()  # a save in progress is never pruned
+    save(checkpoints, 8)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000006", "step_000008", "step_000008.partial"]
+    assert checkpoints.latest()[1].step == 8
+
+
+def test_keep_zero_keeps_every_checkpoint(tmp_path):
+    checkpoints = Checkpoints(tmp_path, keep=0)
+    for step in (2, 4, 6):
+        save(checkpoints, step)
+    assert [p.name for p in checkpoints.complete()] == ["step_000002", "step_000004", "step_000006"]
