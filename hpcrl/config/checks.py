@@ -49,6 +49,7 @@ def validate(cfg: Config) -> Config:
     check_workflow(cfg.workflow)
     check_workflow_groups(cfg.workflow, cfg.algorithm.group_size)
     check_inference(cfg.inference)
+    check_server_restart(cfg)
     check_reward(cfg.reward)
     check_eval(cfg.eval)
     require(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", cfg.checkpoint.every_steps, "an integer >= 0")
@@ -230,13 +231,34 @@ def check_workflow_groups(w: WorkflowConfig, group_size: int) -> None:
 
 
 def check_inference(i: InferenceConfig) -> None:
-    one_of("inference.on_server_exit", i.on_server_exit, ("drop", "fail"))
+    one_of("inference.on_server_exit", i.on_server_exit, ("drop", "restart", "fail"))
+    require(i.max_restarts >= 0, "inference.max_restarts", i.max_restarts, "an integer >= 0")
     frac = i.mem_fraction_static
     require(0 < frac < 1, "inference.mem_fraction_static", frac, "a fraction in (0, 1)")
     n = i.max_running_requests
     require(n >= 1, "inference.max_running_requests", n, "an integer >= 1")
     require(i.batch_wait_ms >= 0, "inference.batch_wait_ms", i.batch_wait_ms, "milliseconds >= 0")
     require(i.health_poll_s > 0, "inference.health_poll_s", i.health_poll_s, "seconds > 0")
+
+
+def check_server_restart(cfg: Config) -> None:
+    """inference.on_server_exit=restart: a restarted server gets the weights from disk, on this machine."""
+    if cfg.inference.on_server_exit != "restart":
+        return
+    if cfg.train.weight_sync != "disk":
+        raise ConfigError(
+            "inference.on_server_exit",
+            "restart",
+            "drop or fail with train.weight_sync=distributed: a restarted server cannot join the weight-update "
+            "group the others formed at start (or set train.weight_sync=disk)",
+        )
+    if cfg.cluster.kind != "local":
+        raise ConfigError(
+            "inference.on_server_exit",
+            "restart",
+            "drop or fail on Slurm: one job holds all of a role's servers there, so a dead server ends the job "
+            "and the run; restart works with cluster=local (on Slurm use recover.mode=auto to resume instead)",
+        )
 
 
 def check_reward(r: RewardConfig) -> None:

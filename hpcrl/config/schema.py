@@ -217,7 +217,9 @@ class InferenceConfig:
     batch_wait_ms: float = 2.0  # cpu server: how long a new request waits for others to share its batch
     extra_args: list[str] = field(default_factory=list)  # extra `sglang.launch_server` arguments
     health_poll_s: float = 1.0  # seconds between health checks while a server starts
-    on_server_exit: str = "drop"  # a server that dies: drop it from the pool (others remain, disk sync) | fail
+    # drop and restart need train.weight_sync=disk; restart needs cluster=local
+    on_server_exit: str = "drop"  # a dead server: drop (leaves the pool) | restart (rejoins, current weights) | fail
+    max_restarts: int = 3  # inference.on_server_exit=restart: restarts in one run, all servers together
 
 
 @dataclass

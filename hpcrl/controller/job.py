@@ -28,10 +28,11 @@ from hpcrl.controller.loop import Loop, Workers
 from hpcrl.controller.metrics import plot
 from hpcrl.controller.preempt import PreemptionGuard
 from hpcrl.controller.progress import Progress
+from hpcrl.controller.servers import ServerPool
 from hpcrl.controller.trainers import Trainers
 from hpcrl.controller.weights import WeightSync
 from hpcrl.launch.addresses import port_range
-from hpcrl.launch.base import RoleSpec, Scheduler, WorkerFailed
+from hpcrl.launch.base import RoleSpec, Scheduler
 from hpcrl.launch.local import LocalScheduler
 from hpcrl.launch.slots import PortSlots
 from hpcrl.reward.pool import RewardPool
@@ -63,15 +64,13 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
         trainer_entries = trainers.wait_ready()
         rollout_entries = rollouts[0].wait_ready() if rollouts else []
 
+        pool = ServerPool(cfg, servers, server_entries)
+
         def check_alive() -> None:
-            try:
-                servers.check_alive()
-            except WorkerFailed as e:
-                if not drop_dead_server(cfg, servers, e, workers, server_entries):
-                    raise
+            pool.check()  # drops or restarts a dead server (inference.on_server_exit), or raises naming it
             trainers.check_alive()
 
-        workers = Workers(None, None, rewards, check_alive)  # client and trainers are opened below
+        workers = Workers(None, None, rewards, check_alive, servers=pool)  # client and trainers are opened below
         addresses = [[e.address for e in entries] for entries in (server_entries, trainer_entries, rollout_entries)]
         rows = (train_rows, eval_rows)
         summary = asyncio.run(_drive(cfg, run_dir, workers, addresses, token, scheduler, rows, preempt))
@@ -85,8 +84,12 @@ async def _drive(cfg, run_dir, workers, addresses, token, scheduler, rows, preem
 
     server_addresses, trainer_addresses, rollout_addresses = addresses
     tokenizer = load_tokenizer(cfg.model.path)
+    pool = workers.servers
+    no_server_s = pool.group.spec.setup_timeout_s  # a request waits this long for a restarting server
     async with (
-        InferenceClient(server_addresses, request_timeout_s=cfg.rollout.request_timeout_s) as client,
+        InferenceClient(
+            server_addresses, request_timeout_s=cfg.rollout.request_timeout_s, no_server_timeout_s=no_server_s
+        ) as client,
         Trainers(trainer_addresses, token, cfg.rollout.temperature) as trainers,
         _episodes(rollout_addresses, token) as episodes,
     ):
@@ -95,6 +98,7 @@ async def _drive(cfg, run_dir, workers, addresses, token, scheduler, rows, preem
         loop.preempt = preempt
         sync = WeightSync(cfg.train.weight_sync, client, trainers, loop.resumed, run_dir.path / "weights")
         sync.episodes = episodes
+        pool.client, pool.sync, pool.episodes = client, sync, episodes
         if cfg.train.weight_sync == "distributed":
             await sync.setup(_controller_host(cfg), scheduler.ports.allocate(1)[0])
         with Progress(cfg.run.max_steps) as progress:
@@ -106,26 +110,6 @@ async def _drive(cfg, run_dir, workers, addresses, token, scheduler, rows, preem
             log.info("episodes each rollout worker ran, by rank: %s", json.dumps(episodes.completed))
             await episodes.shutdown()
     return summary
-
-
-def drop_dead_server(cfg: Config, servers: Any, failure: WorkerFailed, workers: Workers, entries: list) -> bool:
-    """inference.on_server_exit=drop: take a dead server out of the pool when the run can go on without it
-    (other servers live, weights go by disk, the scheduler can watch workers one by one). True if dropped."""
-    live = [e.address for e in entries if e.address in workers.client.addresses]
-    can = (
-        cfg.inference.on_server_exit == "drop"
-        and cfg.train.weight_sync == "disk"  # a process group would wait for the dead member
-        and hasattr(servers, "drop")  # local workers; a Slurm job holds all of a role's servers
-        and isinstance(failure.worker, int)
-        and len(live) > 1
-    )
-    if not can:
-        return False
-    servers.drop(failure.worker)
-    workers.client.remove(entries[failure.worker].address)
-    workers.lost_servers += 1
-    log.warning("%s; it leaves the pool, %d servers go on (inference.on_server_exit=drop)", failure, len(live) - 1)
-    return True
 
 
 def make_scheduler(cfg: Config, run_dir: RunDir, slots: PortSlots) -> Scheduler:

@@ -44,7 +44,7 @@ class Workers:
     rewards: Any  # reward.pool.RewardPool
     check_alive: Callable[[], None]  # raises naming the worker when one has died
     episodes: Any = None  # rollout.remote.RemoteEpisodes when rollout workers run the episodes, else None
-    lost_servers: int = 0  # servers that died and left the pool (inference.on_server_exit=drop)
+    servers: Any = None  # controller.servers.ServerPool: drops or restarts a dead server
 
 
 class Loop:
@@ -90,6 +90,8 @@ class Loop:
     async def _watch(self) -> None:
         while True:
             self.w.check_alive()
+            if self.w.servers is not None:
+                await self.w.servers.rejoin()  # restarted servers that are ready come back
             await asyncio.sleep(1.0)
 
     async def _train(self, sync: WeightSync) -> dict[str, Any]:
@@ -173,13 +175,17 @@ class Loop:
         metrics.update(
             groups_rejected=executor.rejected_total,
             groups_failed=executor.failed_total,
-            servers_lost=self.w.lost_servers,
+            **self._server_counts(),
             time_rollout_wait_s=round(t1 - t0, 4),
             time_train_s=round(t2 - t1, 4),
             time_sync_s=round(t3 - t2, 4),
             time_step_s=round(t3 - t0, 4),
         )
         return metrics
+
+    def _server_counts(self) -> dict[str, int]:
+        pool = self.w.servers
+        return {"servers_lost": pool.lost, "servers_restarted": pool.restarts} if pool is not None else {}
 
     def _executor(self) -> RolloutExecutor:
         cfg = self.cfg
@@ -245,7 +251,7 @@ class Loop:
         """Whether a server leaves the pool within ``grace_s`` (its worker may take a moment to exit)."""
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
-            self.w.check_alive()  # drops a dead server (inference.on_server_exit=drop), or raises naming it
+            self.w.check_alive()  # drops or restarts a dead server (inference.on_server_exit), or raises naming it
             if len(self.w.client.addresses) < servers:
                 return True
             await asyncio.sleep(0.2)

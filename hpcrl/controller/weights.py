@@ -30,6 +30,8 @@ class WeightSync:
         self.weights_dir = weights_dir
         self.specs: tuple[list[str], list[str], list[list[int]]] | None = None
         self.episodes: Any = None  # rollout.remote.RemoteEpisodes when rollout workers run the episodes
+        self.lock = asyncio.Lock()  # held by a push, and by a restarted server loading ``current``
+        self.current: tuple[str, int] | None = None  # disk: the newest export and its version (None: the initial)
 
     async def setup(self, master_address: str, master_port: int) -> None:
         """Form the weight-update group (distributed mode)."""
@@ -42,24 +44,26 @@ class WeightSync:
         log.info("weight-update group formed at %s:%d with %d servers", master_address, master_port, world - 1)
 
     async def push(self, version: int) -> None:
-        self.resumed.clear()
-        if self.episodes is not None:  # rollout workers hold their resubmissions until the servers resume
-            await self.episodes.pause()
-        await self.client.pause("abort")
-        try:
-            if self.mode == "disk":
-                await self._push_disk(version)
-            else:
-                await self._push_distributed(version)
-        finally:
-            await self.client.resume()
-            if self.episodes is not None:
-                await self.episodes.resume()
-            self.resumed.set()
+        async with self.lock:
+            self.resumed.clear()
+            if self.episodes is not None:  # rollout workers hold their resubmissions until the servers resume
+                await self.episodes.pause()
+            await self.client.pause("abort")
+            try:
+                if self.mode == "disk":
+                    await self._push_disk(version)
+                else:
+                    await self._push_distributed(version)
+            finally:
+                await self.client.resume()
+                if self.episodes is not None:
+                    await self.episodes.resume()
+                self.resumed.set()
 
     async def _push_disk(self, version: int) -> None:
         path = self.weights_dir / f"v{version:06d}"
         await self.trainers.export(path)
+        self.current = (str(path), version)  # a server restarted from now on loads this one
         await self.client.update_weights_from_disk(str(path), version)
         # the servers hold the new export: the older ones go, those of an interrupted earlier run too
         for old in self.weights_dir.glob("v*"):

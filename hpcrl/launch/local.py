@@ -96,19 +96,24 @@ class LocalScheduler(Scheduler):
         self.registry.clear(spec.role)  # entries of an earlier attempt must not count as ready
         env = worker_env(self.run_dir.path, spec, self.slots)
         children: list[Child] = []
+
+        def spawn_worker(rank: int) -> Child:
+            mine = gpus[rank * spec.gpus_per_worker : (rank + 1) * spec.gpus_per_worker]
+            worker = {**env, RANK_ENV: str(rank), **_gpu_env(spec, mine)}
+            log_file = self.run_dir.log_file(spec.role, rank)
+            return self._children.spawn(f"{spec.role} {rank}", spec.argv, log_file, env=worker)
+
         try:
             if spec.torchrun:
                 children.append(self._spawn_torchrun(spec, env, gpus))
             for rank in range(0 if spec.torchrun else spec.workers):
-                mine = gpus[rank * spec.gpus_per_worker : (rank + 1) * spec.gpus_per_worker]
-                worker = {**env, RANK_ENV: str(rank), **_gpu_env(spec, mine)}
-                log_file = self.run_dir.log_file(spec.role, rank)
-                children.append(self._children.spawn(f"{spec.role} {rank}", spec.argv, log_file, env=worker))
+                children.append(spawn_worker(rank))
         except BaseException:  # a half-started group holds neither processes nor GPUs
             stop_all(children, self.grace_s)
             self._release(gpus)()
             raise
         group = LocalWorkerGroup(spec, self.registry, children, self.run_dir, self.grace_s, self._release(gpus))
+        group.spawn_worker = spawn_worker
         self._groups.append(group)
         return group
 
@@ -193,6 +198,7 @@ class LocalWorkerGroup(WorkerGroup):
         self._on_stop = on_stop
         self._ranks: dict[int, psutil.Process] = {}  # torchrun ranks seen so far, by PID
         self.dropped: set[int] = set()  # workers that died and that the run goes on without
+        self.spawn_worker: Callable[[int], Child] | None = None  # starts worker <rank> (plain roles)
 
     def check_alive(self) -> None:
         if self.spec.torchrun:
@@ -206,6 +212,21 @@ class LocalWorkerGroup(WorkerGroup):
     def drop(self, rank: int) -> None:
         """Stop checking worker ``rank``: it has died and the run goes on without it."""
         self.dropped.add(rank)
+
+    def restart(self, rank: int) -> None:
+        """Start worker ``rank`` again after it died: what is left of its tree is ended, its registry entry
+        forgotten, and a new process (same argv, environment, GPUs and log file) registers when it is ready.
+        Plain roles only: a torchrun rank cannot rejoin its group."""
+        if self.spec.torchrun or self.spawn_worker is None:
+            raise ValueError(f"{self.role}: only a plain role's workers can be restarted, not torchrun ranks")
+        old = self.children[rank]
+        if old.alive():
+            raise ValueError(f"{self.role} worker {rank} (pid {old.pid}) is still running; only a dead one restarts")
+        old.stop(self.grace_s)  # e.g. an SGLang server's scheduler processes outlive their dead leader
+        self.registry.unregister(self.role, rank)
+        self.children[rank] = self.spawn_worker(rank)
+        self.dropped.discard(rank)
+        log.warning("%s worker %d restarted as pid %d", self.role, rank, self.children[rank].pid)
 
     def stop(self) -> None:
         self._track_ranks()

@@ -47,6 +47,10 @@ class Registry:
         found = [Entry(**json.loads(p.read_text())) for p in self.directory.glob(f"{role}-*.json")]
         return sorted((e for e in found if e.role == role), key=lambda e: e.rank)  # not those of "<role>-x"
 
+    def unregister(self, role: str, rank: int) -> None:
+        """Forget one worker's entry (it died; the one that replaces it registers anew)."""
+        (self.directory / f"{role}-{rank}.json").unlink(missing_ok=True)
+
     def clear(self, role: str) -> None:
         for p in self.directory.glob(f"{role}-*.json"):
             p.unlink(missing_ok=True)

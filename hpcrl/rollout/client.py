@@ -8,7 +8,9 @@
         await client.resume()
 
 Generation goes to one server per request, picked by ``policy``: ``least_loaded`` (fewest requests in
-flight from this client, ties broken round-robin) or ``round_robin``. Control calls (pause, weight
+flight from this client, ties broken round-robin) or ``round_robin``. The pool can change while requests
+run: ``remove`` a dead server, ``add`` a restarted one. While it is empty (its only server is restarting),
+requests wait for a server to join, at most ``no_server_timeout_s``. Control calls (pause, weight
 updates, ...) go to every server concurrently. Retries and timeouts are described in ``client_http``;
 the weight-group collectives are never retried, because a server that joins a collective twice waits for
 a partner that is not coming.
@@ -18,10 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from hpcrl.rollout.client_http import HttpPool, InferenceError
+from hpcrl.rollout.client_http import HttpPool, InferenceError, fixed
 from hpcrl.rollout.client_wire import GenerateResult, check_sampling, check_success, parse_result
 
 __all__ = ["POLICIES", "GenerateResult", "InferenceClient", "InferenceError"]
@@ -45,6 +47,7 @@ class InferenceClient:
         backoff_s: float = 0.5,  # pause before the first retry; doubles on each further one
         policy: str = "least_loaded",  # least_loaded | round_robin: which server a generate request goes to
         max_connections: int = 1024,  # open connections at most, all servers together
+        no_server_timeout_s: float = 600.0,  # how long a request waits while the pool is empty (a restart)
     ) -> None:
         _check_args(addresses, request_timeout_s, max_retries, backoff_s, policy, max_connections)
         self.addresses = list(addresses)
@@ -58,6 +61,9 @@ class InferenceClient:
             max_connections=max_connections,
         )
         self._cursor = 0  # where the next round-robin scan starts
+        self.no_server_timeout_s = no_server_timeout_s
+        self._has_servers = asyncio.Event()  # clear while the pool is empty
+        self._has_servers.set()
 
     async def __aenter__(self) -> InferenceClient:
         await self._http.open()
@@ -83,16 +89,40 @@ class InferenceClient:
         self._cursor = (self.addresses.index(choice) + 1) % n
         return choice
 
-    def remove(self, server: str) -> None:
+    def remove(self, server: str, *, last_ok: bool = False) -> None:
         """Take a dead server out of the pool: no new request and no control call goes to it again.
 
-        Requests already sent to it fail on their own (connection errors retry on the other servers)."""
+        Requests already sent to it fail on their own (connection errors retry on the other servers). The
+        last server goes only with ``last_ok`` (one that is restarting): requests then wait for ``add``."""
         if server not in self.addresses:
             raise ValueError(f"server {server!r} is not in the pool: {', '.join(self.addresses)}")
-        if len(self.addresses) == 1:
+        if len(self.addresses) == 1 and not last_ok:
             raise ValueError(f"server {server!r} is the last one in the pool")
         self.addresses.remove(server)
-        self._cursor %= len(self.addresses)
+        self._cursor %= max(len(self.addresses), 1)
+        if not self.addresses:
+            self._has_servers.clear()
+
+    def add(self, server: str) -> None:
+        """Put a server (back) into the pool, e.g. one restarted after it died: requests go to it from now."""
+        if server in self.addresses:
+            raise ValueError(f"server {server!r} is already in the pool")
+        self._http.add(server)  # raises ValueError if it is not host:port
+        self.addresses.append(server)
+        self._has_servers.set()
+
+    def set_servers(self, servers: Sequence[str]) -> None:
+        """Make the pool exactly ``servers`` (in that order), e.g. as another process's pool changed; a bad
+        address or a repeated one raises ValueError before the pool changes."""
+        if len(set(servers)) != len(servers):
+            raise ValueError(f"servers must not repeat a server, got {list(servers)}")
+        for server in servers:
+            self._http.add(server)  # raises ValueError if it is not host:port
+        for server in [s for s in self.addresses if s not in servers]:
+            self.remove(server, last_ok=True)
+        for server in [s for s in servers if s not in self.addresses]:
+            self.add(server)
+        self.addresses.sort(key=list(servers).index)
 
     async def generate(
         self,
@@ -193,12 +223,18 @@ class InferenceClient:
         return await self._http.call_all("GET", "/model_info", self._same(None))
 
     async def update_weights_from_disk(
-        self, model_path: str, weight_version: str | int, *, timeout_s: float | None = None
+        self,
+        model_path: str,
+        weight_version: str | int,
+        *,
+        timeout_s: float | None = None,
+        servers: Sequence[str] | None = None,
     ) -> None:
-        """Every server loads the checkpoint at ``model_path`` (a path each server's node can read)."""
+        """Every server (or those in ``servers``) loads the checkpoint at ``model_path``, a path its node can read."""
         payload = {"model_path": model_path, "weight_version": str(weight_version), "flush_cache": True}
+        payloads = self._same(payload) if servers is None else self._only(servers, payload)
         await self._http.call_all(
-            "POST", "/update_weights_from_disk", self._same(payload), timeout_s=timeout_s, check=check_success
+            "POST", "/update_weights_from_disk", payloads, timeout_s=timeout_s, check=check_success
         )
 
     def weights_group_world_size(self, ranks_per_server: int = 1) -> int:
@@ -272,12 +308,32 @@ class InferenceClient:
     def _same(self, payload: Any) -> dict[str, Any]:
         return dict.fromkeys(self.addresses, payload)
 
-    def _chooser(self, server: str | None) -> Callable[[list[str]], str]:
+    def _only(self, servers: Sequence[str], payload: Any) -> dict[str, Any]:
+        for server in servers:
+            self._http.add(server)  # raises ValueError if it is not host:port
+        return dict.fromkeys(servers, payload)
+
+    def _chooser(self, server: str | None) -> Callable[[list[str]], Awaitable[str]]:
         if server is None:
-            return self.pick
+            return self._pick_when_any
         if server not in self._http.in_flight:
             raise ValueError(f"server {server!r} is not one of this client's servers: {', '.join(self.addresses)}")
-        return lambda _tried: server
+        return fixed(server)
+
+    async def _pick_when_any(self, tried: list[str]) -> str:
+        """``pick``, once the pool has a server: while it is empty, wait for one to join (a deadline)."""
+        if not self.addresses:
+            logger.info("no inference server in the pool; waiting up to %g s for one to join", self.no_server_timeout_s)
+            try:
+                await asyncio.wait_for(self._has_servers.wait(), self.no_server_timeout_s)
+            except TimeoutError:
+                raise InferenceError(
+                    f"no inference server joined the empty pool within {self.no_server_timeout_s:g} s; the servers "
+                    "died and none came back (see their logs)",
+                    server=", ".join(tried) or "none",
+                    endpoint="/generate",
+                ) from None
+        return self.pick(tried)
 
 
 def _check_args(

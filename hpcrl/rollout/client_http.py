@@ -21,7 +21,7 @@ import asyncio
 import json
 import logging
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -58,7 +58,7 @@ class _Retryable(Exception):
 
 
 class HttpPool:
-    """One aiohttp session over a fixed list of servers, with retries and in-flight counts per server."""
+    """One aiohttp session over a set of servers (``add`` one more), with retries and in-flight counts per server."""
 
     def __init__(
         self, addresses: Sequence[str], *, timeout_s: float, max_retries: int, backoff_s: float, max_connections: int
@@ -70,6 +70,11 @@ class HttpPool:
         self.backoff_s = backoff_s
         self.max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+
+    def add(self, address: str) -> None:
+        """Know one more server (a restarted one, perhaps at a new address); a known one keeps its count."""
+        self.urls.setdefault(address, _base_url(address))
+        self.in_flight.setdefault(address, 0)
 
     async def open(self) -> None:
         connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0)
@@ -89,7 +94,7 @@ class HttpPool:
 
     async def call(
         self,
-        choose: Callable[[list[str]], str],
+        choose: Callable[[list[str]], Awaitable[str]],
         method: str,
         endpoint: str,
         payload: Any = None,
@@ -101,13 +106,14 @@ class HttpPool:
     ) -> tuple[str, Any]:
         """Send until one attempt succeeds; return ``(server, answer)``.
 
-        ``choose(tried)`` names the server of each attempt, given those that already failed; ``count`` is
-        added to that server's in-flight count while the attempt runs.
+        ``await choose(tried)`` names the server of each attempt, given those that already failed (it may wait
+        for a server to join an empty pool); ``count`` is added to that server's in-flight count while the
+        attempt runs.
         """
         attempts = 1 + (self.max_retries if retries is None else retries)
         tried: list[str] = []
         for attempt in range(1, attempts + 1):
-            server = choose(tried)
+            server = await choose(tried)
             self.in_flight[server] += count
             try:
                 return server, await self._send(server, method, endpoint, payload, timeout_s, expect_json)
@@ -143,10 +149,12 @@ class HttpPool:
         expect_json: bool = True,
     ) -> dict[str, Any]:
         """Call every server in ``payloads`` concurrently; the first failure cancels the rest and is raised."""
+        if not payloads:  # an empty pool (its one server is restarting): nothing to call
+            return {}
 
         async def one(server: str) -> Any:
             _, answer = await self.call(
-                lambda _tried: server,
+                fixed(server),
                 method,
                 endpoint,
                 payloads[server],
@@ -226,6 +234,15 @@ class HttpPool:
                 endpoint=endpoint,
                 status=status,
             ) from error
+
+
+def fixed(server: str) -> Callable[[list[str]], Awaitable[str]]:
+    """A ``choose`` for ``HttpPool.call`` that names ``server`` for every attempt."""
+
+    async def choose(_tried: list[str]) -> str:
+        return server
+
+    return choose
 
 
 def _base_url(address: str) -> URL:

@@ -27,7 +27,11 @@ collectives need; an episode mostly waits on HTTP).
 
 RPC methods: ``run_episode(EpisodeRequest) -> Group``; ``set_resumed(SetResumed) -> Ack``, cleared by the
 controller before it pauses the servers for a weight update and set after they continue, so samples the
-pause aborted wait rather than resubmit; ``ping(Ping) -> Pong``; ``shutdown``. Messages: ``remote.py``.
+pause aborted wait rather than resubmit; ``set_servers(SetServers) -> Ack``, which makes the inference
+client's pool exactly those addresses when the controller restarted a server (perhaps at a new address) or
+lost one: later requests go to these servers only, and with none they wait for one to join. A list with an
+address that is not ``host:port``, or one twice, is refused as a whole (an RPC error naming it) and the pool
+stays as it was; ``ping(Ping) -> Pong``; ``shutdown``. Messages: ``remote.py``.
 
 Exit: the ``shutdown`` RPC (exit 0) or SIGTERM / SIGINT (exit 128 + the signal): unregister, stop serving
 (requests in flight get the server's shutdown grace), cancel the episodes still running, close the
@@ -46,7 +50,7 @@ import signal
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.load import load_run_config
@@ -55,13 +59,16 @@ from hpcrl.launch.addresses import port_range, worker_addresses
 from hpcrl.launch.registry import Entry, Registry
 from hpcrl.launch.slots import parse_worker_args, worker_ports
 from hpcrl.logs import setup_logging
-from hpcrl.rollout.remote import EpisodeRequest, SetResumed
+from hpcrl.rollout.remote import EpisodeRequest, SetResumed, SetServers
 from hpcrl.rollout.workflow import Group, Workflow
 from hpcrl.rpc.auth import read_token
 from hpcrl.rpc.messages import Ack, ErrorReply, Ping, Pong
 from hpcrl.rpc.server import RpcServer
 from hpcrl.rpc.wire import encode_parts
 from hpcrl.rundir import RunDir
+
+if TYPE_CHECKING:
+    from hpcrl.rollout.client import InferenceClient
 
 log = logging.getLogger("hpcrl.rollout.episode_worker")
 
@@ -137,7 +144,7 @@ async def serve(
             poll_s = cfg.inference.health_poll_s
             await client.wait_healthy(setup_timeout(cfg), check_alive=lambda: _check(signals), poll_s=poll_s)
             workflow = make_workflow(cfg, client, tokenizer, rewards, resumed)
-            service = EpisodeService(workflow, resumed, asyncio.get_running_loop(), rank)
+            service = EpisodeService(workflow, client, resumed, asyncio.get_running_loop(), rank)
             await _serve_registered(cfg, run_dir, rank, token, service, signals)
             log.info("stopped after %d episodes", service.served)
     except _Stopped as e:
@@ -169,21 +176,37 @@ async def _serve_registered(
 
 
 class EpisodeService:
-    """The worker's RPC handlers; episodes and ``resumed`` live on the main loop, ``loop``."""
+    """The worker's RPC handlers; episodes, ``resumed`` and the inference ``client`` live on the main loop."""
 
-    def __init__(self, workflow: Workflow, resumed: asyncio.Event, loop: asyncio.AbstractEventLoop, rank: int):
-        self.workflow, self.resumed, self.loop, self.rank = workflow, resumed, loop, rank
+    def __init__(
+        self,
+        workflow: Workflow,
+        client: InferenceClient,  # the workflow's client: set_servers changes its pool
+        resumed: asyncio.Event,
+        loop: asyncio.AbstractEventLoop,
+        rank: int,
+    ):
+        self.workflow, self.client, self.resumed, self.loop, self.rank = workflow, client, resumed, loop, rank
         self.served = 0  # episodes that returned a group
         self._running: set[asyncio.Task] = set()
 
     def handlers(self) -> dict[str, Any]:
-        return {"run_episode": self.run_episode, "set_resumed": self.set_resumed, "ping": self.ping}
+        return {
+            "run_episode": self.run_episode,
+            "set_resumed": self.set_resumed,
+            "set_servers": self.set_servers,
+            "ping": self.ping,
+        }
 
     async def run_episode(self, request: EpisodeRequest) -> Group:
         return await self._on_main_loop(self._episode(request))
 
     async def set_resumed(self, request: SetResumed) -> Ack:
         await self._on_main_loop(self._set_resumed(request.resumed))
+        return Ack()
+
+    async def set_servers(self, request: SetServers) -> Ack:
+        await self._on_main_loop(self._set_servers(request.addresses))
         return Ack()
 
     def ping(self, request: Ping) -> Pong:
@@ -215,6 +238,16 @@ class EpisodeService:
         else:
             self.resumed.clear()
         log.debug("generation %s", "resumed" if resumed else "paused")
+
+    async def _set_servers(self, addresses: list[str]) -> None:
+        """Make the client's pool ``addresses``, on the main loop: the client and its requests live there."""
+        was = list(self.client.addresses)
+        self.client.set_servers(addresses)
+        log.info(
+            "inference servers now: %s (were: %s)",
+            ", ".join(addresses) or "none; requests wait for one to join",
+            ", ".join(was) or "none",
+        )
 
 
 class EpisodeRpcServer(RpcServer):

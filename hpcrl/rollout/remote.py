@@ -4,10 +4,12 @@
         group = await remote.run({"prompt": ..., "answer": ...})    # on the least-loaded live worker
         await remote.pause()    # before the servers are paused for a weight update ...
         await remote.resume()   # ... and after they continue
+        await remote.set_servers(["node3:30000"])  # the inference servers' pool, after one restarted or died
         await remote.shutdown()
 
 The wire (registered here, beside the client that sends it): ``run_episode(EpisodeRequest) -> Group``,
-``set_resumed(SetResumed) -> Ack``, ``ping(Ping) -> Pong`` and the built-in ``shutdown``. ``Group`` and
+``set_resumed(SetResumed) -> Ack``, ``set_servers(SetServers) -> Ack``, ``ping(Ping) -> Pong`` and the built-in
+``shutdown``. ``Group`` and
 ``Sample`` (``workflow.py``) are registered as RPC messages as they are, so a group travels as typed JSON.
 
 Dispatch: an episode goes to the live worker with the fewest episodes in flight from here, ties broken
@@ -22,6 +24,8 @@ vanished without closing its connections). Its episodes in flight then fail at o
 ``RolloutWorkerLost`` ("rollout worker <rank> at <host:port> was lost ..."), and later episodes go to the
 remaining workers; with none left, ``run`` raises ``NoRolloutWorkers``. An episode that raised on its
 worker (the workflow failed) raises ``RolloutWorkerError`` with the remote traceback; that worker stays.
+A control call sent to every worker (``pause``, ``resume``, ``set_servers``) loses a worker that gives no
+reply, as above, and raises ``RolloutWorkerError`` for one that refused it (its handler raised).
 """
 
 from __future__ import annotations
@@ -57,6 +61,12 @@ class SetResumed:
     resumed: bool  # False while weights are updated: samples a pause aborted wait instead of resubmitting
 
 
+@register
+@dataclasses.dataclass
+class SetServers:
+    addresses: list[str]  # the inference servers' host:port, the whole pool: a restarted one joins, a dead one leaves
+
+
 class RolloutWorkerError(RuntimeError):
     """An episode failed on one rollout worker; the message names the worker."""
 
@@ -78,7 +88,7 @@ class _Worker:
     rank: int
     address: str
     episodes: RpcClient  # run_episode
-    control: RpcClient  # ping, set_resumed, shutdown
+    control: RpcClient  # ping, set_resumed, set_servers, shutdown
     lost: asyncio.Future[str]  # its result is why the worker was lost
     in_flight: int = 0  # episodes sent and not yet answered
     completed: int = 0  # groups it returned
@@ -155,6 +165,14 @@ class RemoteEpisodes:
     async def resume(self) -> None:
         """Tell every live worker that generation goes on: waiting samples resubmit."""
         await self._set_resumed(True)
+
+    async def set_servers(self, addresses: list[str]) -> None:
+        """Make every live worker's inference pool exactly ``addresses``: requests go to these servers only.
+
+        The controller calls it when an inference server restarted (perhaps at a new address) or died, so
+        that every worker sends its next requests to the servers that are there. An empty list is allowed:
+        the workers' requests then wait for a server to join (``InferenceClient.set_servers``)."""
+        await self._broadcast("set_servers", SetServers(list(addresses)), f"set_servers({list(addresses)})")
 
     async def shutdown(self) -> None:
         """Ask every live worker to stop (it ends its reward processes and exits 0); no episode runs after."""
@@ -241,14 +259,29 @@ class RemoteEpisodes:
         self._heartbeats = []
 
     async def _set_resumed(self, resumed: bool) -> None:
+        await self._broadcast("set_resumed", SetResumed(resumed), f"set_resumed({resumed})")
+
+    async def _broadcast(self, method: str, request: Any, what: str) -> None:
+        """Send ``request`` to every live worker's control client at once; ``what`` names the call in errors.
+
+        A worker that gives no reply is lost (its episodes fail) and the call goes on for the others, which
+        must still pause, resume or change servers. A worker that refused (its handler raised) stays in
+        service: the lowest such rank's refusal is raised, once every silent worker has been marked lost."""
         live = self.live()
-        calls = (w.control.call("set_resumed", [SetResumed(resumed)]) for w in live)
-        results = await asyncio.gather(*calls, return_exceptions=True)
+        results = await asyncio.gather(*(w.control.call(method, [request]) for w in live), return_exceptions=True)
+        refusals: list[tuple[_Worker, Exception]] = []
         for worker, result in zip(live, results, strict=True):
-            if isinstance(result, RpcConnectionError):  # its episodes fail; the others must still pause
-                self._lose(worker, f"set_resumed({resumed}) got no reply: {result.message}")
+            if isinstance(result, RpcConnectionError):
+                self._lose(worker, f"{what} got no reply: {result.message}")
             elif isinstance(result, Exception):
-                raise RolloutWorkerError(worker.rank, worker.address, f"refused set_resumed: {result}") from result
+                refusals.append((worker, result))
+        if refusals:
+            worker, error = refusals[0]
+            refused = RolloutWorkerError(worker.rank, worker.address, f"refused {what}: {error}")
+            for other, its_error in refusals[1:]:
+                first_line = str(its_error).splitlines()[0]
+                refused.add_note(f"rollout worker {other.rank} at {other.address} refused it too: {first_line}")
+            raise refused from error
 
 
 def _set_lost(worker: _Worker, why: str) -> bool:

@@ -1,6 +1,7 @@
 """A server that dies mid-run leaves the pool (``inference.on_server_exit=drop``) and the run goes on with the
-others; with ``fail`` the run fails naming the server."""
+others; with ``restart`` it comes back with the current weights; with ``fail`` the run fails naming the server."""
 
+import re
 import subprocess
 import sys
 
@@ -13,15 +14,20 @@ from tests.controller.test_job import metrics_of, processes_of, wait_for_steps
 
 pytestmark = pytest.mark.slow
 
-RUN = ["run.trial=t", "eval.stop_at_accuracy=0", "rollout.prompts_per_step=8", "allocation.server.workers=2"]
+RUN = ["run.trial=t", "eval.stop_at_accuracy=0", "rollout.prompts_per_step=8"]
 
 
-def kill_a_server_after_two_steps(tmp_path, *overrides: str) -> tuple[subprocess.CompletedProcess, object]:
-    cmd = [sys.executable, "-m", "hpcrl.main", f"run.root={tmp_path}", *RUN, *overrides]
+def kill_a_server_after_two_steps(
+    tmp_path, *overrides: str, servers: int = 2
+) -> tuple[subprocess.CompletedProcess, object]:
+    """Run a job with ``servers`` servers and kill the inference server of the last one after step 2."""
+    rank = servers - 1
+    cmd = [sys.executable, "-m", "hpcrl.main", f"run.root={tmp_path}", *RUN, f"allocation.server.workers={servers}"]
+    cmd += overrides
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run_dir = tmp_path / "default" / "t"
     wait_for_steps(proc, run_dir, 2)
-    (worker,) = [e for e in Registry(run_dir / "registry").entries("server") if e.rank == 1]
+    (worker,) = [e for e in Registry(run_dir / "registry").entries("server") if e.rank == rank]
     # the inference server itself crashes; its worker notices and exits
     for server in psutil.Process(worker.pid).children(recursive=True):
         server.kill()
@@ -44,3 +50,56 @@ def test_with_on_server_exit_fail_a_dead_server_fails_the_run(tmp_path):
     assert result.returncode == 1
     assert "server worker 1" in result.stderr, result.stderr[-3000:]
     assert not processes_of(str(run_dir)), "no process of the run outlives it"
+
+
+def weights_loaded_after_restart(run_dir, rank: int) -> list[int]:
+    """The weight versions server ``rank`` loaded from the run's exports after its worker's second start."""
+    log = (run_dir / "logs" / f"server-proc-{rank}.log").read_text()
+    starts = log.split(f"--- hpcrl: starting server {rank}")
+    assert len(starts) == 3, f"server {rank} should have started twice:\n{log[-3000:]}"
+    return [int(v) for v in re.findall(r"loaded weights version (\d+) from \S*/weights/v", starts[2])]
+
+
+@pytest.mark.parametrize("servers", [2, 1], ids=["one-of-two", "the-only-one"])
+def test_with_restart_a_dead_server_comes_back_with_the_current_weights(tmp_path, servers):
+    # a server starts in about 10 s, about 15 steps here: the run must outlast the restart (with one server,
+    # the rollout waits for it)
+    steps = 30 if servers > 1 else 8
+    result, run_dir = kill_a_server_after_two_steps(
+        tmp_path,
+        f"run.max_steps={steps}",
+        "inference.on_server_exit=restart",
+        servers=servers,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metrics_of(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert (rows[-1]["servers_restarted"], rows[-1]["servers_lost"]) == (1, 0)
+    log = (run_dir / "logs" / "controller-0.log").read_text()
+    back = re.search(rf"server worker {servers - 1} is back in the pool at \S+ with weights version (\d+)", log)
+    assert back, log[-3000:]
+    loaded = weights_loaded_after_restart(run_dir, servers - 1)
+    assert loaded[0] == int(back[1]) >= 2, "it first loads the weights the others hold"
+    assert loaded[-1] == steps, "then every later weight sync"
+    assert not processes_of(str(run_dir)), "no process of the run outlives it"
+
+
+def test_past_max_restarts_a_dead_server_fails_the_run(tmp_path):
+    overrides = ("run.max_steps=200", "inference.on_server_exit=restart", "inference.max_restarts=0")
+    result, run_dir = kill_a_server_after_two_steps(tmp_path, *overrides)
+    assert result.returncode == 1
+    assert "server worker 1" in result.stderr and "inference.max_restarts=0" in result.stderr, result.stderr[-3000:]
+    assert not processes_of(str(run_dir)), "no process of the run outlives it"
+
+
+def test_rollout_workers_are_told_when_a_server_leaves_and_rejoins(tmp_path):
+    overrides = ("run.max_steps=30", "inference.on_server_exit=restart", "rollout.workers=1")
+    result, run_dir = kill_a_server_after_two_steps(tmp_path, *overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert metrics_of(run_dir)[-1]["servers_restarted"] == 1
+    controller_log = (run_dir / "logs" / "controller-0.log").read_text()
+    back = re.search(r"server worker 1 is back in the pool at (\S+)", controller_log)
+    assert back
+    pools = re.findall(r"inference servers now: (.*) \(were", (run_dir / "logs" / "rollout-0.log").read_text())
+    assert len(pools[0].split(", ")) == 1, "first the dead server leaves the worker's pool"
+    assert back[1] in pools[-1].split(", ") and len(pools[-1].split(", ")) == 2, "then the restarted one joins"

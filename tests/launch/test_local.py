@@ -283,3 +283,34 @@ def test_a_rank_whose_program_cannot_start_says_so_in_its_log(tmp_path):
     result = subprocess.run(cmd, env={**os.environ, "RANK": "3"}, capture_output=True, text=True, timeout=60)
     assert result.returncode == 127 and result.stdout == result.stderr == ""
     assert f"cannot start rank 3: {tmp_path / 'missing'}" in (tmp_path / "r-3.log").read_text()
+
+
+def test_a_dead_plain_worker_restarts_with_its_rank_and_registers_again(run_dir):
+    slots = PortSlots({"plain": 2})
+    with LocalScheduler(run_dir, slots, grace_s=GRACE_S) as scheduler:
+        group = scheduler.start(spec("plain", 2, env={"RANK_WORKER_GRANDCHILD": "1"}))
+        entries = group.wait_ready()
+        with pytest.raises(ValueError, match="still running"):
+            group.restart(1)
+        grandchild = psutil.Process(entries[1].extra["grandchild"])
+        os.kill(entries[1].pid, signal.SIGKILL)
+        err = raises_soon(group.check_alive)
+        assert isinstance(err, WorkerFailed) and err.worker == 1
+
+        group.restart(1)
+        assert_gone([grandchild])  # what the dead worker left in its session is ended
+        again = group.wait_ready()
+        assert again[0] == entries[0], "the live worker is untouched"
+        assert again[1].pid == group.children[1].pid != entries[1].pid
+        assert_listening(again, slots, "plain")
+        group.check_alive()
+        assert run_dir.log_file("plain", 1).read_text().count("--- hpcrl: starting plain 1") == 2  # one log, appended
+        procs = tree(group, again)
+    assert_gone(procs)
+
+
+def test_torchrun_ranks_cannot_restart(run_dir):
+    with LocalScheduler(run_dir, PortSlots({"ranks": 1}), grace_s=GRACE_S) as scheduler:
+        group = scheduler.start(spec("ranks", 1, torchrun=True))
+        with pytest.raises(ValueError, match="not torchrun ranks"):
+            group.restart(0)

@@ -1,8 +1,13 @@
-"""Taking a dead server out of the client's pool."""
+"""The client's pool changing under it: a dead server taken out, a restarted one put back."""
+
+import asyncio
 
 import pytest
 
-from hpcrl.rollout.client import InferenceClient
+from hpcrl.rollout.client import InferenceClient, InferenceError
+from tests.rollout.test_client_fakes import fake_servers, run
+
+PARAMS = {"max_new_tokens": 3, "temperature": 1.0}
 
 
 def test_a_removed_server_is_never_picked_and_gets_no_control_call():
@@ -19,3 +24,57 @@ def test_the_last_server_and_unknown_ones_cannot_be_removed():
     client.remove("h:1")
     with pytest.raises(ValueError, match="the last one"):
         client.remove("h:2")
+
+
+def test_requests_wait_while_the_pool_is_empty_and_go_to_the_server_that_joins():
+    async def body():
+        async with fake_servers(2) as [old, new], InferenceClient([old.address], backoff_s=0.01) as client:
+            client.remove(old.address, last_ok=True)  # its only server died and is restarting
+            waiting = asyncio.create_task(client.generate([1], PARAMS))
+            await asyncio.sleep(0.3)
+            assert not waiting.done(), "a request must wait for a server, not fail"
+            await client.pause()  # control calls go to nobody meanwhile
+            client.add(new.address)
+            result = await asyncio.wait_for(waiting, 5)
+            assert result.server == new.address
+            assert old.bodies("/generate") == [] and len(new.bodies("/generate")) == 1
+
+    run(body())
+
+
+def test_the_wait_for_a_server_has_a_deadline():
+    async def body():
+        async with fake_servers(1) as [fake], InferenceClient([fake.address], no_server_timeout_s=0.2) as client:
+            client.remove(fake.address, last_ok=True)
+            with pytest.raises(InferenceError, match=r"no inference server joined the empty pool within 0\.2 s"):
+                await client.generate([1], PARAMS)
+
+    run(body())
+
+
+def test_weights_can_go_to_one_server_only():
+    async def body():
+        async with fake_servers(2) as [a, b], InferenceClient([a.address]) as client:
+            await client.update_weights_from_disk("/w/v3", 3, servers=[b.address])
+            assert a.bodies("/update_weights_from_disk") == []
+            assert b.bodies("/update_weights_from_disk")[0]["model_path"] == "/w/v3"
+
+    run(body())
+
+
+def test_set_servers_makes_the_pool_exactly_those():
+    client = InferenceClient(["h:1", "h:2"])
+    client.set_servers(["h:3", "h:2"])
+    assert client.addresses == ["h:3", "h:2"]
+    client.set_servers([])
+    assert client.addresses == []
+    with pytest.raises(ValueError, match="already in the pool"):
+        client.set_servers(["h:4"]) or client.add("h:4")
+
+
+def test_set_servers_with_a_bad_address_changes_nothing():
+    client = InferenceClient(["h:1"])
+    for bad in (["h:2", "no-port"], ["h:2", "h:2"]):
+        with pytest.raises(ValueError):
+            client.set_servers(bad)
+        assert client.addresses == ["h:1"]

@@ -2,13 +2,16 @@
 RemoteEpisodes. Each worker reads the server's address from the run's registry, as it does in a run."""
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
 import time
 
+import aiohttp
 import psutil
 import pytest
+from aiohttp import web
 
 from hpcrl.config.load import dump_config
 from hpcrl.config.schema import (
@@ -35,6 +38,7 @@ from hpcrl.rollout.workflow import Group, Sample
 from hpcrl.rpc.auth import create_token
 from hpcrl.rpc.wire import decode, encode
 from hpcrl.rundir import RunDir
+from tests.rollout.test_client_fakes import FakeServer
 
 GROUP_SIZE = 2
 MAX_NEW_TOKENS = 4
@@ -226,3 +230,76 @@ def test_a_worker_whose_servers_never_register_fails_at_its_setup_timeout(tiny_m
     message = str(err.value)
     assert message.startswith("rollout worker 0 exited with exit code 1")
     assert "the inference servers did not register" in message and "server ranks [0]" in message
+
+
+class RelayServer(FakeServer):
+    """A FakeServer that relays /generate to a real CPU server: real answers, and a record of every request."""
+
+    def __init__(self, real_address: str):
+        super().__init__()
+        self.real_address = real_address
+
+    async def _generate(self, body: dict) -> web.Response:
+        url = f"http://{self.real_address}/generate"
+        async with aiohttp.ClientSession() as session, session.post(url, json=body) as reply:
+            return web.json_response(await reply.json(), status=reply.status)
+
+
+@contextlib.asynccontextmanager
+async def workers_on_relay(tmp_path, model, real_address: str, workers: int):
+    """Rollout workers whose one inference server is the relay ``old``; ``new``, another relay to the same real
+    server, is not in their pool. Yields ``(old, new, remote, run_dir)``."""
+    old, new = RelayServer(real_address), RelayServer(real_address)
+    try:
+        await old.start()
+        await new.start()
+        run_dir, token = make_run(tmp_path, model, old.address)
+        scheduler, spec, _ = rollout_workers(run_dir, workers)
+        with scheduler:
+            group = scheduler.start(spec)
+            entries = await asyncio.to_thread(group.wait_ready)  # the relays answer /health meanwhile
+            async with RemoteEpisodes([e.address for e in entries], token, heartbeat_s=0.5) as remote:
+                yield old, new, remote, run_dir
+    finally:
+        await new.stop()
+        await old.stop()
+
+
+def test_after_set_servers_every_worker_sends_its_requests_to_the_new_server_only(tiny_model, server, tmp_path):
+    tokenizer = load_tokenizer(tiny_model)
+
+    async def drive() -> tuple[RunDir, str]:
+        async with workers_on_relay(tmp_path, tiny_model, server.address, workers=2) as (old, new, remote, run_dir):
+            check_group(await remote.run(ROWS[0]), ROWS[0], tokenizer)
+            assert len(old.bodies("/generate")) == GROUP_SIZE and new.bodies("/generate") == []
+
+            await remote.set_servers([new.address])  # the server restarted at another address
+            groups = await asyncio.gather(*(remote.run(row) for row in ROWS))
+            for got, row in zip(groups, ROWS, strict=True):
+                check_group(got, row, tokenizer)
+            assert remote.completed == {0: 3, 1: 2}, "both workers ran episodes after set_servers"
+            assert len(old.bodies("/generate")) == GROUP_SIZE, "a request went to the server that left the pool"
+            assert len(new.bodies("/generate")) == len(ROWS) * GROUP_SIZE
+            return run_dir, new.address
+
+    run_dir, new_address = asyncio.run(drive())
+    for rank in (0, 1):
+        log = run_dir.log_file("rollout", rank).read_text()
+        assert f"inference servers now: {new_address} (were: 127.0.0.1:" in log, log
+
+
+def test_set_servers_with_a_malformed_address_is_refused_and_changes_nothing(tiny_model, server, tmp_path):
+    tokenizer = load_tokenizer(tiny_model)
+
+    async def drive() -> None:
+        async with workers_on_relay(tmp_path, tiny_model, server.address, workers=1) as (old, new, remote, _):
+            refused = r"rollout worker 0 at \S+ refused set_servers\(.*\): .*cannot parse address 'no-port'"
+            with pytest.raises(RolloutWorkerError, match=refused) as err:
+                await remote.set_servers([new.address, "no-port"])
+            assert "ValueError" in str(err.value) and not isinstance(err.value, RolloutWorkerLost)
+            assert [w.rank for w in remote.live()] == [0], "a refused set_servers must not lose the worker"
+
+            check_group(await remote.run(ROWS[0]), ROWS[0], tokenizer)  # the worker still serves, on its old pool
+            assert len(old.bodies("/generate")) == GROUP_SIZE and new.bodies("/generate") == []
+
+    asyncio.run(drive())

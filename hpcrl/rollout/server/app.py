@@ -94,6 +94,7 @@ class Server:
             await self.scheduler.update_weights(lambda: self.runner.load_weights_from_disk(path), _version(body))
         except (OSError, KeyError, ValueError) as e:
             return web.json_response({"success": False, "message": f"failed to load {path}: {e}"}, status=400)
+        log.info("loaded weights version %s from %s", self.scheduler.weight_version, path)
         return web.json_response({"success": True, "message": f"loaded {path}", "num_paused_requests": 0})
 
     async def init_group(self, request: web.Request) -> web.Response:

@@ -1,0 +1,128 @@
+"""The inference servers' pool while the loop runs, and what happens when one dies (``inference.on_server_exit``).
+
+    drop     the dead server leaves the client's pool: requests retry on the others, and the run goes on
+             without it (not the last one: with none left the run fails)
+    restart  it leaves the pool and its worker starts again (same rank, log file and port slot); once the new
+             one has registered it loads the newest weights (the last disk export, tagged with its version)
+             and rejoins. While no server is left, requests wait for one (``InferenceClient.no_server_timeout_s``).
+             At most ``inference.max_restarts`` restarts in a run; the next death fails the run
+    fail     the run fails naming the server
+
+``drop`` and ``restart`` need local workers and disk weight sync; otherwise a dead server fails the run
+(config checks refuse ``restart`` there). Rollout workers are told every change of the pool.
+
+The watchdog calls ``check`` (plain) every second, then ``rejoin`` (async). ``rejoin`` holds the weight sync's
+lock, so a restarted server joins either before a weight sync, which then includes it, or after one, and loads
+that sync's export: it never serves weights older than the others'.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from hpcrl.config.schema import Config
+from hpcrl.launch.base import WorkerFailed, WorkerGroup
+from hpcrl.launch.registry import Entry
+from hpcrl.rollout.client import InferenceError
+
+log = logging.getLogger(__name__)
+
+ROLE = "server"
+
+
+class ServerPool:
+    """The servers of a run by rank, what happens to a dead one, and counts of both (``servers_lost``,
+    ``servers_restarted``). ``client``, ``sync`` and ``episodes`` are set once the loop has opened them."""
+
+    def __init__(self, cfg: Config, group: WorkerGroup, entries: list[Entry]):
+        self.cfg, self.group = cfg, group
+        self.addresses = {e.rank: e.address for e in entries}  # every server's latest address, by rank
+        self.client: Any = None  # rollout.client.InferenceClient
+        self.sync: Any = None  # controller.weights.WeightSync
+        self.episodes: Any = None  # rollout.remote.RemoteEpisodes, when rollout workers run the episodes
+        self.lost = self.restarts = 0
+        self.restarting: dict[int, float] = {}  # rank -> the monotonic deadline by which it must register
+        self._changed = False  # the pool changed and the rollout workers have not been told
+
+    def check(self) -> None:
+        """Raise ``WorkerFailed`` if a server died and the run cannot go on without it; else drop or restart it."""
+        try:
+            self.group.check_alive()
+        except WorkerFailed as failure:
+            if not self._handle(failure):
+                raise
+
+    async def rejoin(self) -> None:
+        """Restarted servers that have registered load the newest weights and rejoin the pool; one that does
+        not register within its setup timeout fails the run."""
+        for rank, deadline in list(self.restarting.items()):
+            entry = next((e for e in self.group.registry.entries(ROLE) if e.rank == rank), None)
+            if entry is None:
+                if time.monotonic() > deadline:
+                    timeout = self.group.spec.setup_timeout_s
+                    raise TimeoutError(
+                        f"server worker {rank}, restarted, did not register within {timeout:g} s (see "
+                        f"logs/server-{rank}.log); raise cluster.roles.server.setup_timeout_s if it was still loading"
+                    )
+                continue
+            if await self._load_and_add(rank, entry.address):
+                del self.restarting[rank]
+        if self._changed and self.episodes is not None:
+            self._changed = False
+            await self.episodes.set_servers(list(self.client.addresses))
+
+    def _handle(self, failure: WorkerFailed) -> bool:
+        mode, rank = self.cfg.inference.on_server_exit, failure.worker
+        can = (
+            mode != "fail"
+            and self.cfg.train.weight_sync == "disk"  # a process group would wait for the dead member
+            and hasattr(self.group, "restart")  # local workers; a Slurm job holds all of a role's servers
+            and isinstance(rank, int)
+        )
+        if not can:
+            return False
+        return self._restart(rank, failure) if mode == "restart" else self._drop(rank, failure)
+
+    def _drop(self, rank: int, failure: WorkerFailed) -> bool:
+        live = self.client.addresses
+        if self.addresses[rank] not in live or len(live) < 2:
+            return False
+        self.group.drop(rank)
+        self.client.remove(self.addresses[rank])
+        self.lost += 1
+        self._changed = True
+        log.warning("%s; it leaves the pool, %d servers go on (inference.on_server_exit=drop)", failure, len(live))
+        return True
+
+    def _restart(self, rank: int, failure: WorkerFailed) -> bool:
+        limit = self.cfg.inference.max_restarts
+        if self.restarts >= limit:
+            log.error("server worker %d died after inference.max_restarts=%d restarts: the run fails", rank, limit)
+            return False
+        if self.addresses[rank] in self.client.addresses:
+            self.client.remove(self.addresses[rank], last_ok=True)
+        self.group.restart(rank)
+        self.restarts += 1
+        self.restarting[rank] = time.monotonic() + self.group.spec.setup_timeout_s
+        self._changed = True
+        log.warning("%s; restarting it (restart %d of inference.max_restarts=%d)", failure, self.restarts, limit)
+        return True
+
+    async def _load_and_add(self, rank: int, address: str) -> bool:
+        """Give a restarted server the newest weights and put it in the pool; False to try again later."""
+        async with self.sync.lock:  # no weight sync runs meanwhile: the export read here is the newest
+            current = self.sync.current
+            try:
+                if current is not None:
+                    await self.client.update_weights_from_disk(current[0], current[1], servers=[address])
+            except InferenceError as e:  # e.g. it died again: the next check restarts it or fails the run
+                log.warning("restarted server worker %d at %s did not load the weights: %s", rank, address, e)
+                return False
+            self.client.add(address)
+        self.addresses[rank] = address
+        self._changed = True
+        version = "the initial ones" if current is None else f"version {current[1]}"
+        log.warning("server worker %d is back in the pool at %s with weights %s", rank, address, version)
+        return True
