@@ -46,6 +46,16 @@ CLI_CASES = [
     ),
     (["cluster.submit_mode=array"], "cluster.submit_mode='array' is invalid: expected one of hetjob, per_role, steps"),
     (["recover.mode=resume"], "recover.mode='resume' is invalid: expected one of off, auto"),
+    (["checkpoint.keep=-1"], "checkpoint.keep=-1 is invalid: expected an integer >= 0 (0 = keep every checkpoint)"),
+    (
+        ["inference.on_server_exit=restart", "train.weight_sync=distributed"],
+        "inference.on_server_exit='restart' is invalid: expected drop or fail with train.weight_sync=distributed",
+    ),
+    (
+        ["inference.on_server_exit=restart", "cluster=slurm_local"],
+        "inference.on_server_exit='restart' is invalid: expected drop or fail on Slurm",
+    ),
+    (["inference.max_restarts=-1"], "inference.max_restarts=-1 is invalid: expected an integer >= 0"),
 ]
 
 
