@@ -242,7 +242,8 @@ def check_inference(i: InferenceConfig) -> None:
 
 
 def check_server_restart(cfg: Config) -> None:
-    """inference.on_server_exit=restart: a restarted server gets the weights from disk, on this machine."""
+    """inference.on_server_exit=restart: a restarted server gets the weights from disk, and on Slurm the
+    server role's job (or step) is started again on its own."""
     if cfg.inference.on_server_exit != "restart":
         return
     if cfg.train.weight_sync != "disk":
@@ -252,12 +253,13 @@ def check_server_restart(cfg: Config) -> None:
             "drop or fail with train.weight_sync=distributed: a restarted server cannot join the weight-update "
             "group the others formed at start (or set train.weight_sync=disk)",
         )
-    if cfg.cluster.kind != "local":
+    if cfg.cluster.kind == "slurm" and cfg.cluster.submit_mode == "hetjob":
         raise ConfigError(
             "inference.on_server_exit",
             "restart",
-            "drop or fail on Slurm: one job holds all of a role's servers there, so a dead server ends the job "
-            "and the run; restart works with cluster=local (on Slurm use recover.mode=auto to resume instead)",
+            "drop or fail with cluster.submit_mode=hetjob: the roles of one heterogeneous job share its fate, so "
+            "a dead server ends the whole job; restart the servers with cluster.submit_mode=per_role, or steps "
+            "(inside `python -m hpcrl.sbatch hetjob`)",
         )
 
 

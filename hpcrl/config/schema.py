@@ -103,6 +103,15 @@ class ClusterConfig:
     controller: ControllerJob = field(default_factory=ControllerJob)  # the controller's own Slurm job
     net: NetConfig = field(default_factory=NetConfig)  # addresses and ports
 
+    def server_wait_s(self) -> float | None:
+        """How long a request may wait for a restarting inference server (inference.on_server_exit=restart):
+        the servers' setup timeout, plus on Slurm the queue timeout; None when the queue has no limit (the
+        controller still fails the run if the server's job fails)."""
+        if self.kind == "slurm" and not self.queue_timeout_min:
+            return None
+        queued = self.queue_timeout_min * 60 if self.kind == "slurm" else 0
+        return self.roles["server"].setup_timeout_s + queued
+
 
 @dataclass
 class AlgorithmConfig:
@@ -217,7 +226,8 @@ class InferenceConfig:
     batch_wait_ms: float = 2.0  # cpu server: how long a new request waits for others to share its batch
     extra_args: list[str] = field(default_factory=list)  # extra `sglang.launch_server` arguments
     health_poll_s: float = 1.0  # seconds between health checks while a server starts
-    # drop and restart need train.weight_sync=disk; restart needs cluster=local
+    # drop and restart need train.weight_sync=disk; drop needs cluster=local; restart on Slurm starts the
+    # server role's job again (cluster.submit_mode=per_role or steps; in one hetjob the roles share its fate)
     on_server_exit: str = "drop"  # a dead server: drop (leaves the pool) | restart (rejoins, current weights) | fail
     max_restarts: int = 3  # inference.on_server_exit=restart: restarts in one run, all servers together
 

@@ -64,7 +64,7 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
         trainer_entries = trainers.wait_ready()
         rollout_entries = rollouts[0].wait_ready() if rollouts else []
 
-        pool = ServerPool(cfg, servers, server_entries)
+        pool = ServerPool(cfg, servers, server_entries, scheduler)
 
         def check_alive() -> None:
             pool.check()  # drops or restarts a dead server (inference.on_server_exit), or raises naming it
@@ -85,13 +85,13 @@ async def _drive(cfg, run_dir, workers, addresses, token, scheduler, rows, preem
     server_addresses, trainer_addresses, rollout_addresses = addresses
     tokenizer = load_tokenizer(cfg.model.path)
     pool = workers.servers
-    no_server_s = pool.group.spec.setup_timeout_s  # a request waits this long for a restarting server
+    no_server_s = cfg.cluster.server_wait_s()  # how long a request waits for a restarting server
     async with (
         InferenceClient(
             server_addresses, request_timeout_s=cfg.rollout.request_timeout_s, no_server_timeout_s=no_server_s
         ) as client,
         Trainers(trainer_addresses, token, cfg.rollout.temperature) as trainers,
-        _episodes(rollout_addresses, token) as episodes,
+        _episodes(rollout_addresses, token, cfg.rollout.max_concurrent) as episodes,
     ):
         workers.client, workers.trainers, workers.episodes = client, trainers, episodes
         loop = Loop(cfg, workers, tokenizer, train_rows, eval_rows, run_dir)
@@ -143,14 +143,14 @@ def rollout_specs(cfg: Config) -> list[RoleSpec]:
 
 
 @contextlib.asynccontextmanager
-async def _episodes(addresses: list[str], token: str) -> AsyncIterator[Any]:
+async def _episodes(addresses: list[str], token: str, max_in_flight: int) -> AsyncIterator[Any]:
     """``RemoteEpisodes`` to the rollout workers, or None when the controller runs the episodes itself."""
     if not addresses:
         yield None
         return
     from hpcrl.rollout.remote import RemoteEpisodes
 
-    async with RemoteEpisodes(addresses, token) as episodes:
+    async with RemoteEpisodes(addresses, token, max_in_flight=max_in_flight) as episodes:
         yield episodes
 
 

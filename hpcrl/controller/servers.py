@@ -8,8 +8,12 @@
              At most ``inference.max_restarts`` restarts in a run; the next death fails the run
     fail     the run fails naming the server
 
-``drop`` and ``restart`` need local workers and disk weight sync; otherwise a dead server fails the run
-(config checks refuse ``restart`` there). Rollout workers are told every change of the pool.
+Both need disk weight sync. Locally one worker restarts; on Slurm one job (or srun step) holds all of the
+role's servers and ends when one of them dies (``--kill-on-bad-exit``), so ``restart`` starts the role again:
+a new job (``cluster.submit_mode=per_role``) or a new step in its het group (``steps``), whose time in the
+queue does not count against the setup timeout. ``drop`` is local only, and in one heterogeneous job
+(``hetjob``) the roles share the job's fate: there a dead server fails the run (config checks refuse
+``restart``). Rollout workers are told every change of the pool.
 
 The watchdog calls ``check`` (plain) every second, then ``rejoin`` (async). ``rejoin`` holds the weight sync's
 lock, so a restarted server joins either before a weight sync, which then includes it, or after one, and loads
@@ -23,7 +27,7 @@ import time
 from typing import Any
 
 from hpcrl.config.schema import Config
-from hpcrl.launch.base import WorkerFailed, WorkerGroup
+from hpcrl.launch.base import Scheduler, WorkerFailed, WorkerGroup
 from hpcrl.launch.registry import Entry
 from hpcrl.rollout.client import InferenceError
 
@@ -36,8 +40,8 @@ class ServerPool:
     """The servers of a run by rank, what happens to a dead one, and counts of both (``servers_lost``,
     ``servers_restarted``). ``client``, ``sync`` and ``episodes`` are set once the loop has opened them."""
 
-    def __init__(self, cfg: Config, group: WorkerGroup, entries: list[Entry]):
-        self.cfg, self.group = cfg, group
+    def __init__(self, cfg: Config, group: WorkerGroup, entries: list[Entry], scheduler: Scheduler | None = None):
+        self.cfg, self.group, self.scheduler = cfg, group, scheduler
         self.addresses = {e.rank: e.address for e in entries}  # every server's latest address, by rank
         self.client: Any = None  # rollout.client.InferenceClient
         self.sync: Any = None  # controller.weights.WeightSync
@@ -57,10 +61,13 @@ class ServerPool:
     async def rejoin(self) -> None:
         """Restarted servers that have registered load the newest weights and rejoin the pool; one that does
         not register within its setup timeout fails the run."""
+        queued = self.restarting and self.group.queued()  # raises past cluster.queue_timeout_min
         for rank, deadline in list(self.restarting.items()):
             entry = next((e for e in self.group.registry.entries(ROLE) if e.rank == rank), None)
             if entry is None:
-                if time.monotonic() > deadline:
+                if queued:  # time in Slurm's queue does not count
+                    self.restarting[rank] = time.monotonic() + self.group.spec.setup_timeout_s
+                elif time.monotonic() > deadline:
                     timeout = self.group.spec.setup_timeout_s
                     raise TimeoutError(
                         f"server worker {rank}, restarted, did not register within {timeout:g} s (see "
@@ -75,13 +82,11 @@ class ServerPool:
 
     def _handle(self, failure: WorkerFailed) -> bool:
         mode, rank = self.cfg.inference.on_server_exit, failure.worker
-        can = (
-            mode != "fail"
-            and self.cfg.train.weight_sync == "disk"  # a process group would wait for the dead member
-            and hasattr(self.group, "restart")  # local workers; a Slurm job holds all of a role's servers
-            and isinstance(rank, int)
-        )
-        if not can:
+        if mode == "fail" or self.cfg.train.weight_sync != "disk":  # a process group would wait for the dead
+            return False
+        if not isinstance(rank, int):  # a Slurm job or step holding all of the role's servers has ended
+            return mode == "restart" and self._restart_role(failure)
+        if not hasattr(self.group, "restart"):
             return False
         return self._restart(rank, failure) if mode == "restart" else self._drop(rank, failure)
 
@@ -97,18 +102,40 @@ class ServerPool:
         return True
 
     def _restart(self, rank: int, failure: WorkerFailed) -> bool:
+        if not self._may_restart(f"server worker {rank}"):
+            return False
+        self._leave(rank)
+        self.group.restart(rank)
+        self._restarted(failure)
+        return True
+
+    def _restart_role(self, failure: WorkerFailed) -> bool:
+        restart = getattr(self.scheduler, "restart", None)
+        if restart is None or not self._may_restart(f"{ROLE} {failure.worker}"):
+            return False
+        for rank in self.addresses:
+            self._leave(rank)
+        self.group = restart(self.group)  # raises naming why where it cannot (cluster.submit_mode=hetjob)
+        self._restarted(failure)
+        return True
+
+    def _may_restart(self, what: str) -> bool:
         limit = self.cfg.inference.max_restarts
         if self.restarts >= limit:
-            log.error("server worker %d died after inference.max_restarts=%d restarts: the run fails", rank, limit)
-            return False
+            log.error("%s died after inference.max_restarts=%d restarts: the run fails", what, limit)
+        return self.restarts < limit
+
+    def _leave(self, rank: int) -> None:
+        """Server ``rank`` leaves the pool until it has restarted (it may be the last one)."""
         if self.addresses[rank] in self.client.addresses:
             self.client.remove(self.addresses[rank], last_ok=True)
-        self.group.restart(rank)
-        self.restarts += 1
         self.restarting[rank] = time.monotonic() + self.group.spec.setup_timeout_s
         self._changed = True
+
+    def _restarted(self, failure: WorkerFailed) -> None:
+        self.restarts += 1
+        limit = self.cfg.inference.max_restarts
         log.warning("%s; restarting it (restart %d of inference.max_restarts=%d)", failure, self.restarts, limit)
-        return True
 
     async def _load_and_add(self, rank: int, address: str) -> bool:
         """Give a restarted server the newest weights and put it in the pool; False to try again later."""

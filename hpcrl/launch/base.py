@@ -134,6 +134,11 @@ class WorkerGroup(ABC):
         )
         return entries
 
+    def queued(self) -> bool:
+        """Whether the group still waits for resources (a Slurm job in the queue): time that does not count
+        against the setup timeout. Raises when it has waited too long. Local workers never wait."""
+        return False
+
     @abstractmethod
     def stop(self) -> None:
         """End every worker's process tree (SIGTERM, then SIGKILL after a grace period). Idempotent."""

@@ -52,8 +52,8 @@ CLI_CASES = [
         "inference.on_server_exit='restart' is invalid: expected drop or fail with train.weight_sync=distributed",
     ),
     (
-        ["inference.on_server_exit=restart", "cluster=slurm_local"],
-        "inference.on_server_exit='restart' is invalid: expected drop or fail on Slurm",
+        ["inference.on_server_exit=restart", "cluster=slurm_local", "cluster.submit_mode=hetjob"],
+        "inference.on_server_exit='restart' is invalid: expected drop or fail with cluster.submit_mode=hetjob",
     ),
     (["inference.max_restarts=-1"], "inference.max_restarts=-1 is invalid: expected an integer >= 0"),
 ]

@@ -78,3 +78,13 @@ def test_set_servers_with_a_bad_address_changes_nothing():
         with pytest.raises(ValueError):
             client.set_servers(bad)
         assert client.addresses == ["h:1"]
+
+
+def test_a_request_waits_for_a_restarting_server_as_long_as_its_setup_and_queue_allow():
+    from hpcrl.config.schema import ClusterConfig
+
+    local = ClusterConfig()
+    setup_s = local.roles["server"].setup_timeout_s
+    assert local.server_wait_s() == setup_s
+    assert ClusterConfig(kind="slurm", queue_timeout_min=10).server_wait_s() == setup_s + 600
+    assert ClusterConfig(kind="slurm").server_wait_s() is None, "no queue limit: the controller bounds the wait"

@@ -1,7 +1,9 @@
 """The whole job on the real test Slurm when a worker job fails: the controller fails fast, naming the job
 and its state, and leaves nothing in the queue (``no_leftover_jobs`` checks squeue after every test)."""
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl.launch.registry import Registry
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -62,6 +65,19 @@ def ended_at(job_id: str, timeout_s: float = 30) -> float:
         time.sleep(0.5)
 
 
+def run_dir_of(tmp_path: Path, job_prefix: str) -> Path:
+    return tmp_path / job_prefix.removeprefix("hpcrl-").rstrip("-") / "t"
+
+
+def wait_for_two_steps(proc: subprocess.Popen, run_dir: Path, timeout_s: float = 300) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # mid-run: steps are done
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"no training step within {timeout_s} s"
+        time.sleep(0.5)
+
+
 def test_a_server_job_that_exits_at_start_fails_the_run_naming_it(slurm_cluster, job_prefix, tmp_path):
     # a site's setup line that fails (a module that does not load, say): the job exits before any worker runs
     proc = start_job(tmp_path, job_prefix, "cluster.roles.server.setup=['echo no such module >&2; exit 3']")
@@ -75,12 +91,7 @@ def test_a_server_job_that_exits_at_start_fails_the_run_naming_it(slurm_cluster,
 
 def test_a_worker_job_cancelled_mid_run_fails_the_run_naming_it(slurm_cluster, job_prefix, tmp_path):
     proc = start_job(tmp_path, job_prefix, "run.max_steps=500", "eval.stop_at_accuracy=0", "rollout.prompts_per_step=8")
-    metrics = tmp_path / job_prefix.removeprefix("hpcrl-").rstrip("-") / "t" / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # mid-run: steps are done
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "no training step within 300 s"
-        time.sleep(0.5)
+    wait_for_two_steps(proc, run_dir_of(tmp_path, job_prefix))
     job_id = job_named(f"{job_prefix}server")
     subprocess.run(["scancel", job_id], check=True, timeout=30)
     cancelled = time.time()
@@ -88,3 +99,22 @@ def test_a_worker_job_cancelled_mid_run_fails_the_run_naming_it(slurm_cluster, j
     assert code == 1, stderr[-3000:]
     assert f"server worker job {job_id}" in stderr and "CANCELLED" in stderr, stderr[-3000:]
     assert exited - cancelled < FAIL_WITHIN_S
+
+
+def test_with_restart_a_dead_server_job_is_submitted_again_and_rejoins(slurm_cluster, job_prefix, tmp_path):
+    overrides = ("run.max_steps=10", "eval.stop_at_accuracy=0", "rollout.prompts_per_step=8")
+    proc = start_job(tmp_path, job_prefix, *overrides, "inference.on_server_exit=restart")
+    run_dir = run_dir_of(tmp_path, job_prefix)
+    wait_for_two_steps(proc, run_dir)
+    first = job_named(f"{job_prefix}server")
+    (entry,) = Registry(run_dir / "registry").entries("server")
+    os.kill(entry.extra["server_pid"], signal.SIGKILL)  # the inference server crashes; srun ends the job's step
+    code, stderr, _ = finish(proc, timeout_s=400)
+    assert code == 0, stderr[-3000:]
+    assert f"server worker job {first}" in stderr and "restarting it" in stderr, stderr[-3000:]
+    second = job_named(f"{job_prefix}server")
+    assert second != first, "the server role ran again in a job of its own"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert rows[-1]["servers_restarted"] == 1
+    assert re.search(r"server worker 0 is back in the pool at \S+ with weights version [1-9]", stderr), stderr[-3000:]

@@ -3,13 +3,17 @@
 Without Slurm: the committed scripts equal what the renderer makes now; overrides with spaces and quotes
 reach ``hpcrl.main`` intact; the controller script asks for what the Hydra submitit launcher submits; a dry
 run writes and submits nothing; a bad config exits 2 before anything. On the real test Slurm: the
-whole-run heterogeneous job and the controller script each run the tiny job to its summary line.
+whole-run heterogeneous job and the controller script each run the tiny job to its summary line, and in the
+hetjob a dead server restarts as a new srun step (``inference.on_server_exit=restart``).
 """
 
 import json
+import os
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,9 +23,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from hpcrl.config.hydra import register_schema
+from hpcrl.launch.registry import Registry
 from hpcrl.sbatch import render
 from tests.conftest import CONF_DIR, REPO
-from tests.slurm.conftest import wait_for_job
+from tests.slurm.conftest import sacct, wait_for_job
 
 COMMITTED = {"controller": REPO / "slurm" / "controller.sbatch", "hetjob": REPO / "slurm" / "hetjob.sbatch"}
 TINY_JOB = ["run.max_steps=3", "eval.stop_at_accuracy=0", "rollout.prompts_per_step=16"]
@@ -181,3 +186,28 @@ def test_the_controller_script_submitted_by_hand_submits_its_workers(slurm_clust
         timeout=60,
     ).stdout.split()
     assert workers and workers[0].split("|")[0].endswith("+0"), workers  # the workers' heterogeneous job
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_in_the_whole_run_hetjob_a_dead_server_restarts_as_a_new_step(slurm_cluster, job_prefix, tmp_path):
+    experiment = job_prefix.removeprefix("hpcrl-").rstrip("-")
+    run = [f"run.root={tmp_path}", "run.trial=t", "run.max_steps=10", "eval.stop_at_accuracy=0"]
+    job_id = submit_by_hand(
+        "hetjob", tmp_path, experiment, *run, "rollout.prompts_per_step=8", "inference.on_server_exit=restart"
+    )
+    run_dir = tmp_path / experiment / "t"
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # mid-run: steps are done
+        assert time.monotonic() < deadline, f"no training step within 300 s: {sacct(job_id)}"
+        time.sleep(0.5)
+    (entry,) = Registry(run_dir / "registry").entries("server")
+    os.kill(entry.extra["server_pid"], signal.SIGKILL)  # the inference server crashes; srun ends its step
+    rows = wait_for_job(job_id, timeout_s=400, components=3)
+    output = tmp_path / f"hpcrl-{job_id}.out"
+    assert rows[f"{job_id}+0"]["State"] == "COMPLETED", (rows, output.read_text()[-3000:])
+    assert summary_of(output)["steps"] == 10
+    assert json.loads(metrics.read_text().splitlines()[-1])["servers_restarted"] == 1
+    server_steps = sorted(key for key in rows if key.startswith(f"{job_id}+1.") and key.split(".")[1].isdigit())
+    assert len(server_steps) == 2, rows  # the server role ran twice in its het group's allocation

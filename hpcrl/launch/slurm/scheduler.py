@@ -149,27 +149,48 @@ class SlurmScheduler(Scheduler):
 
     def _start_steps(self, specs: list[RoleSpec]) -> list[SlurmWorkerGroup]:
         """Each spec as an srun step of het group 1, 2, ... of the job this controller runs in (steps.py)."""
-        from hpcrl.launch.slurm.steps import StepWorkerGroup, check_het_allocation
+        from hpcrl.launch.slurm.steps import check_het_allocation
 
         components = self._components(specs, uuid.uuid4().hex[:12])
         job_id = check_het_allocation(components)  # before any step starts
+        return [self._start_step(job_id, k, spec) for k, spec in enumerate(specs, start=1)]
+
+    def _start_step(self, job_id: str, k: int, spec: RoleSpec) -> SlurmWorkerGroup:
+        from hpcrl.launch.slurm.steps import StepWorkerGroup
+
+        (component,) = self._components([spec], uuid.uuid4().hex[:12])
         self.folder.mkdir(parents=True, exist_ok=True)
-        groups: list[SlurmWorkerGroup] = []
-        for k, (spec, component) in enumerate(zip(specs, components, strict=True), start=1):
-            self.registry.clear(spec.role)
-            DelayedSubmission(self._task(spec)).dump(component.task_file)
-            script = step_script(k, component, self.folder)
-            srun = self._signals.spawn(
-                f"{spec.role} step", ["bash", "-c", script], self.folder / f"{job_id}+{k}_step.log"
-            )
-            log.info("%s: started as srun step of het group %d of Slurm job %s", spec.role, k, job_id)
-            group = StepWorkerGroup(
-                spec, self.registry, JobRef(job_id, k), self.watcher, self.folder, self.run_dir, self.stop_timeout_s,
-                srun=srun,
-            )  # fmt: skip
-            self._groups.append(group)
-            groups.append(group)
-        return groups
+        self.registry.clear(spec.role)
+        DelayedSubmission(self._task(spec)).dump(component.task_file)
+        script = step_script(k, component, self.folder)
+        srun = self._signals.spawn(f"{spec.role} step", ["bash", "-c", script], self.folder / f"{job_id}+{k}_step.log")
+        log.info("%s: started as srun step of het group %d of Slurm job %s", spec.role, k, job_id)
+        group = StepWorkerGroup(
+            spec, self.registry, JobRef(job_id, k), self.watcher, self.folder, self.run_dir, self.stop_timeout_s,
+            srun=srun,
+        )  # fmt: skip
+        self._groups.append(group)
+        return group
+
+    def restart(self, group: SlurmWorkerGroup) -> SlurmWorkerGroup:
+        """Start a role whose job (or step) has ended again: a new job of its own (``per_role``), or a new srun
+        step in its het group of the controller's allocation (``steps``). In one heterogeneous job
+        (``hetjob``) the roles share the job's fate, so there is nothing left to restart into."""
+        try:
+            group.check_alive()
+        except WorkerFailed:
+            pass  # it has ended, as it should have
+        else:
+            raise ValueError(f"{group.role}: Slurm job {group.job} is {group.state()}; only an ended one restarts")
+        if self.cluster.submit_mode == "steps":
+            assert group.job.component is not None, "a step group runs in a het group"
+            return self._start_step(group.job.job_id, group.job.component, group.spec)
+        if self.cluster.submit_mode == "per_role":
+            return self.start(group.spec)
+        raise ValueError(
+            f"{group.role}: cluster.submit_mode=hetjob: its job ended with the whole heterogeneous job; "
+            "restart needs cluster.submit_mode=per_role or steps"
+        )
 
     def hetjob_script(self, specs: Sequence[RoleSpec]) -> str:
         """The batch script ``start_all(specs)`` would submit as one heterogeneous job (for dry runs)."""
@@ -267,6 +288,7 @@ class SlurmWorkerGroup(WorkerGroup):
         self.run_dir = run_dir
         self.stop_timeout_s = stop_timeout_s
         self._stopped = False
+        self._queued_since: float | None = None  # when queued() first saw the job waiting
 
     @property
     def job_id(self) -> str:
@@ -294,19 +316,28 @@ class SlurmWorkerGroup(WorkerGroup):
         start = reported = time.monotonic()
         while True:
             self.check_alive()
-            state = self.state()
-            if state.state not in QUEUED_STATES:
-                return state
-            waited = time.monotonic() - start
-            if self.queue_timeout_s is not None and waited > self.queue_timeout_s:
-                raise TimeoutError(
-                    f"{self.role}: Slurm job {self.job} is still {state} after {waited:.0f} s in the queue; "
-                    "raise cluster.queue_timeout_min (0 = no limit) or ask for fewer resources"
-                )
+            if not self.queued():  # raises past queue_timeout_s
+                return self.state()
             if time.monotonic() - reported >= report_s:
                 reported = time.monotonic()
+                waited, state = time.monotonic() - start, self.state()
                 log.info("%s: Slurm job %s has waited %.0f s in the queue: %s", self.role, self.job, waited, state)
             time.sleep(poll_s)
+
+    def queued(self) -> bool:
+        """Whether the job still waits in the queue (not counted against the setup timeout); raises TimeoutError
+        once it has waited longer than ``queue_timeout_s``. For waits that poll rather than block."""
+        state = self.state()
+        if state.state not in QUEUED_STATES:
+            return False
+        self._queued_since = self._queued_since or time.monotonic()
+        waited = time.monotonic() - self._queued_since
+        if self.queue_timeout_s is not None and waited > self.queue_timeout_s:
+            raise TimeoutError(
+                f"{self.role}: Slurm job {self.job} is still {state} after {waited:.0f} s in the queue; "
+                "raise cluster.queue_timeout_min (0 = no limit) or ask for fewer resources"
+            )
+        return True
 
     def check_alive(self) -> None:
         state = self.state()
