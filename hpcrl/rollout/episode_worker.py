@@ -22,8 +22,8 @@ Start-up; a failure exits non-zero with the reason on stderr, which the schedule
 
 Threads: the main thread's event loop owns the inference client, the workflow and the ``resumed`` event.
 The RPC server runs its own loop on a thread and hands every ``run_episode`` to the main loop, so any
-number of episodes run at once (``RpcServer`` runs plain handlers one at a time on one thread, as trainer
-collectives need; an episode mostly waits on HTTP).
+number of episodes run at once (``RpcServer`` runs coroutine handlers concurrently on its loop, and plain
+ones, such as ``ping``, one at a time on its handler thread).
 
 RPC methods: ``run_episode(EpisodeRequest) -> Group``; ``set_resumed(SetResumed) -> Ack``, cleared by the
 controller before it pauses the servers for a weight update and set after they continue, so samples the
@@ -43,12 +43,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import inspect
 import logging
 import os
 import signal
 import time
-import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,9 +60,8 @@ from hpcrl.logs import setup_logging
 from hpcrl.rollout.remote import EpisodeRequest, SetResumed, SetServers
 from hpcrl.rollout.workflow import Group, Workflow
 from hpcrl.rpc.auth import read_token
-from hpcrl.rpc.messages import Ack, ErrorReply, Ping, Pong
+from hpcrl.rpc.messages import Ack, Ping, Pong
 from hpcrl.rpc.server import RpcServer
-from hpcrl.rpc.wire import encode_parts
 from hpcrl.rundir import RunDir
 
 if TYPE_CHECKING:
@@ -140,7 +137,10 @@ async def serve(
     resumed = asyncio.Event()
     resumed.set()
     try:
-        async with InferenceClient(servers, request_timeout_s=cfg.rollout.request_timeout_s) as client:
+        request_timeout_s, no_server_s = cfg.rollout.request_timeout_s, cfg.cluster.server_wait_s()
+        async with InferenceClient(
+            servers, request_timeout_s=request_timeout_s, no_server_timeout_s=no_server_s
+        ) as client:
             poll_s = cfg.inference.health_poll_s
             await client.wait_healthy(setup_timeout(cfg), check_alive=lambda: _check(signals), poll_s=poll_s)
             workflow = make_workflow(cfg, client, tokenizer, rewards, resumed)
@@ -157,7 +157,7 @@ async def _serve_registered(
 ) -> None:
     advertised, bind = worker_addresses(cfg.cluster.net)
     port = worker_ports(port_range(cfg.cluster.net)).allocate(1)[0]
-    server = EpisodeRpcServer(service.handlers(), token, rank, host=bind, port=port, advertise_host=advertised)
+    server = RpcServer(service.handlers(), token, rank, host=bind, port=port, advertise_host=advertised)
     server.start_in_thread()
     registered = Registry(run_dir.registry).register(Entry(ROLE, rank, advertised, port))
     log.info("ready: rollout RPC at %s (registered in %s)", server.address, registered)
@@ -248,24 +248,6 @@ class EpisodeService:
             ", ".join(addresses) or "none; requests wait for one to join",
             ", ".join(was) or "none",
         )
-
-
-class EpisodeRpcServer(RpcServer):
-    """An RpcServer whose coroutine handlers run on its event loop as their requests come, concurrently.
-
-    Plain handlers (``ping``, ``shutdown``) still run one at a time on the handler thread, which the
-    coroutines never occupy, so a ping is answered however many episodes run.
-    """
-
-    async def _run(self, method: str, handler: Any, msg: Any) -> tuple[int, list]:
-        if not inspect.iscoroutinefunction(handler):
-            return await super()._run(method, handler, msg)
-        try:
-            return 200, encode_parts(await handler(msg))
-        except Exception as e:
-            log.exception("handler for %s failed", method)
-            text = "".join(traceback.format_exception(e))
-            return 500, encode_parts(ErrorReply(self.rank, method, type(e).__name__, str(e), text))
 
 
 def _catch_signals() -> list[int]:

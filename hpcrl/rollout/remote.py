@@ -104,6 +104,7 @@ class RemoteEpisodes:
         episode_timeout_s: float = 3600.0,  # deadline of one episode call: a backstop, heartbeats find dead workers
         heartbeat_s: float = 5.0,  # seconds between two pings of a worker
         heartbeat_timeout_s: float = 30.0,  # deadline of a ping or control call; missing it loses the worker
+        max_in_flight: int = 1024,  # episodes one worker may run at once (rollout.max_concurrent bounds the sum)
     ):
         if isinstance(addresses, str) or not addresses:
             raise ValueError(f"RemoteEpisodes needs a non-empty list of host:port addresses, got {addresses!r}")
@@ -111,6 +112,7 @@ class RemoteEpisodes:
         self.episode_timeout_s = episode_timeout_s
         self.heartbeat_s = heartbeat_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.max_in_flight = max_in_flight
         for name in ("episode_timeout_s", "heartbeat_s", "heartbeat_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"RemoteEpisodes: {name} must be seconds > 0, got {getattr(self, name)!r}")
@@ -122,7 +124,9 @@ class RemoteEpisodes:
     async def __aenter__(self) -> RemoteEpisodes:
         loop = asyncio.get_running_loop()
         for rank, address in enumerate(self.addresses):
-            episodes = RpcClient([address], self.token, timeout_s=self.episode_timeout_s)
+            episodes = RpcClient(
+                [address], self.token, timeout_s=self.episode_timeout_s, max_connections=self.max_in_flight
+            )
             control = RpcClient([address], self.token, timeout_s=self.heartbeat_timeout_s)
             await self._clients.enter_async_context(episodes)
             await self._clients.enter_async_context(control)

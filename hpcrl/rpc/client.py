@@ -38,6 +38,7 @@ class RpcClient:
         connect_timeout_s: float = 10.0,
         failure_grace_s: float = 5.0,
         max_reply_bytes: int = 8 << 30,
+        max_connections: int = 100,  # calls in flight at once, all ranks together (aiohttp's pool); more wait
     ):
         if not addresses:
             raise ValueError("RpcClient needs at least one address (host:port of rank 0, 1, ...)")
@@ -45,15 +46,21 @@ class RpcClient:
             parse_hostport(address)  # raises a ValueError naming the bad address
         if not token:
             raise ValueError("token must not be empty; read it with hpcrl.rpc.auth.read_token(run_dir)")
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self.addresses, self.timeout_s = list(addresses), timeout_s
         self.failure_grace_s, self.max_reply_bytes = failure_grace_s, max_reply_bytes
         self._token, self._connect_timeout_s = token, connect_timeout_s
+        self.max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> RpcClient:
         timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=self._connect_timeout_s)
         headers = {hdrs.AUTHORIZATION: f"Bearer {self._token}"}
-        self._session = aiohttp.ClientSession(headers=headers, timeout=timeout, read_bufsize=1 << 20)
+        connector = aiohttp.TCPConnector(limit=self.max_connections)
+        self._session = aiohttp.ClientSession(
+            connector=connector, headers=headers, timeout=timeout, read_bufsize=1 << 20
+        )
         return self
 
     async def __aexit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:

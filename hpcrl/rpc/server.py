@@ -1,4 +1,4 @@
-"""One RPC endpoint per worker rank: ``POST /rpc/<method>`` on aiohttp, handlers run one at a time.
+"""One RPC endpoint per worker rank: ``POST /rpc/<method>`` on aiohttp; plain handlers run one at a time.
 
 Order of checks on a request, each answered with an ErrorReply frame before anything later happens::
 
@@ -14,8 +14,11 @@ body that was sent anyway is never read by hpcrl; aiohttp discards it before clo
 
 Handlers run on one dedicated daemon thread, in the order their requests were decoded: trainer
 handlers issue torch collectives, which must run in the same order on every rank. The event loop
-keeps answering (and refusing) requests while a handler runs. Thread-local state such as the CUDA
-device is not inherited from the thread that built the server: pass ``thread_init`` to set it.
+keeps answering (and refusing) requests while a handler runs. A coroutine handler (``async def``)
+runs on the event loop instead, as its request comes, concurrently with any number of others: for
+work that mostly waits (a rollout worker's episodes wait on HTTP); it must not block the loop.
+Thread-local state such as the CUDA device is not inherited from the thread that built the server:
+pass ``thread_init`` to set it.
 
 ``shutdown`` is built in: it runs the ``shutdown`` handler if there is one (after every queued
 handler), replies (Ack by default), then stops the server. A torchrun worker typically does::
@@ -231,7 +234,10 @@ class RpcServer:
     async def _run(self, method: str, handler: Handler, msg: Any) -> tuple[int, list]:
         assert self._worker is not None
         try:
-            reply = await asyncio.wrap_future(self._worker.submit(handler, msg))
+            if inspect.iscoroutinefunction(handler):  # on the event loop, concurrently with others
+                reply = await handler(msg)
+            else:
+                reply = await asyncio.wrap_future(self._worker.submit(handler, msg))
             return 200, encode_parts(reply)
         except Exception as e:
             log.exception("handler for %s failed", method)
