@@ -15,6 +15,7 @@ import pytest
 
 from hpcrl.launch.registry import Registry
 from tests.conftest import REPO
+from tests.controller.test_job import wait_for_steps
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -69,15 +70,6 @@ def run_dir_of(tmp_path: Path, job_prefix: str) -> Path:
     return tmp_path / job_prefix.removeprefix("hpcrl-").rstrip("-") / "t"
 
 
-def wait_for_two_steps(proc: subprocess.Popen, run_dir: Path, timeout_s: float = 300) -> None:
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + timeout_s
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # mid-run: steps are done
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, f"no training step within {timeout_s} s"
-        time.sleep(0.5)
-
-
 def test_a_server_job_that_exits_at_start_fails_the_run_naming_it(slurm_cluster, job_prefix, tmp_path):
     # a site's setup line that fails (a module that does not load, say): the job exits before any worker runs
     proc = start_job(tmp_path, job_prefix, "cluster.roles.server.setup=['echo no such module >&2; exit 3']")
@@ -91,7 +83,7 @@ def test_a_server_job_that_exits_at_start_fails_the_run_naming_it(slurm_cluster,
 
 def test_a_worker_job_cancelled_mid_run_fails_the_run_naming_it(slurm_cluster, job_prefix, tmp_path):
     proc = start_job(tmp_path, job_prefix, "run.max_steps=500", "eval.stop_at_accuracy=0", "rollout.prompts_per_step=8")
-    wait_for_two_steps(proc, run_dir_of(tmp_path, job_prefix))
+    wait_for_steps(proc, run_dir_of(tmp_path, job_prefix), 2)
     job_id = job_named(f"{job_prefix}server")
     subprocess.run(["scancel", job_id], check=True, timeout=30)
     cancelled = time.time()
@@ -105,7 +97,7 @@ def test_with_restart_a_dead_server_job_is_submitted_again_and_rejoins(slurm_clu
     overrides = ("run.max_steps=10", "eval.stop_at_accuracy=0", "rollout.prompts_per_step=8")
     proc = start_job(tmp_path, job_prefix, *overrides, "inference.on_server_exit=restart")
     run_dir = run_dir_of(tmp_path, job_prefix)
-    wait_for_two_steps(proc, run_dir)
+    wait_for_steps(proc, run_dir, 2)
     first = job_named(f"{job_prefix}server")
     (entry,) = Registry(run_dir / "registry").entries("server")
     os.kill(entry.extra["server_pid"], signal.SIGKILL)  # the inference server crashes; srun ends the job's step
