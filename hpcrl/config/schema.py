@@ -103,14 +103,14 @@ class ClusterConfig:
     controller: ControllerJob = field(default_factory=ControllerJob)  # the controller's own Slurm job
     net: NetConfig = field(default_factory=NetConfig)  # addresses and ports
 
-    def server_wait_s(self) -> float | None:
+    def server_wait_s(self) -> float:
         """How long a request may wait for a restarting inference server (inference.on_server_exit=restart):
-        the servers' setup timeout, plus on Slurm the queue timeout; None when the queue has no limit (the
-        controller still fails the run if the server's job fails)."""
-        if self.kind == "slurm" and not self.queue_timeout_min:
-            return None
-        queued = self.queue_timeout_min * 60 if self.kind == "slurm" else 0
-        return self.roles["server"].setup_timeout_s + queued
+        the servers' setup timeout, plus on Slurm the queue timeout, or the worker jobs' time limit when the
+        queue has none (no worker outlives it anyway)."""
+        setup_s = self.roles["server"].setup_timeout_s
+        if self.kind != "slurm":
+            return setup_s
+        return setup_s + 60 * (self.queue_timeout_min or self.time_min)
 
 
 @dataclass

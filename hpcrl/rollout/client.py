@@ -47,9 +47,11 @@ class InferenceClient:
         backoff_s: float = 0.5,  # pause before the first retry; doubles on each further one
         policy: str = "least_loaded",  # least_loaded | round_robin: which server a generate request goes to
         max_connections: int = 1024,  # open connections at most, all servers together
-        no_server_timeout_s: float | None = 600.0,  # how long a request waits while the pool is empty; None: no limit
+        no_server_timeout_s: float = 600.0,  # how long a request waits while the pool is empty (a restart)
     ) -> None:
         _check_args(addresses, request_timeout_s, max_retries, backoff_s, policy, max_connections)
+        if not no_server_timeout_s > 0:
+            raise ValueError(f"no_server_timeout_s must be > 0, got {no_server_timeout_s}")
         self.addresses = list(addresses)
         self.policy = policy
         self.request_timeout_s = request_timeout_s
@@ -323,8 +325,7 @@ class InferenceClient:
     async def _pick_when_any(self, tried: list[str]) -> str:
         """``pick``, once the pool has a server: while it is empty, wait for one to join (a deadline)."""
         if not self.addresses:
-            limit = "no limit" if self.no_server_timeout_s is None else f"up to {self.no_server_timeout_s:g} s"
-            logger.info("no inference server in the pool; waiting (%s) for one to join", limit)
+            logger.info("no inference server in the pool; waiting up to %g s for one to join", self.no_server_timeout_s)
             try:
                 await asyncio.wait_for(self._has_servers.wait(), self.no_server_timeout_s)
             except TimeoutError:

@@ -87,4 +87,5 @@ def test_a_request_waits_for_a_restarting_server_as_long_as_its_setup_and_queue_
     setup_s = local.roles["server"].setup_timeout_s
     assert local.server_wait_s() == setup_s
     assert ClusterConfig(kind="slurm", queue_timeout_min=10).server_wait_s() == setup_s + 600
-    assert ClusterConfig(kind="slurm").server_wait_s() is None, "no queue limit: the controller bounds the wait"
+    no_queue_limit = ClusterConfig(kind="slurm", time_min=30)
+    assert no_queue_limit.server_wait_s() == setup_s + 1800, "no queue limit: the worker jobs' time limit"
