@@ -9,8 +9,8 @@
 
 The wire (registered here, beside the client that sends it): ``run_episode(EpisodeRequest) -> Group``,
 ``set_resumed(SetResumed) -> Ack``, ``set_servers(SetServers) -> Ack``, ``ping(Ping) -> Pong`` and the built-in
-``shutdown``. ``Group`` and
-``Sample`` (``workflow.py``) are registered as RPC messages as they are, so a group travels as typed JSON.
+``shutdown``. ``Group`` and ``Sample`` (``workflow.py``) are registered as RPC messages as they are, so a group
+travels as typed JSON.
 
 Dispatch: an episode goes to the live worker with the fewest episodes in flight from here, ties broken
 round-robin. Each worker has two RPC clients: one for episodes (deadline ``episode_timeout_s``, a backstop),
