@@ -37,8 +37,8 @@ def install() -> None:
     from hpcrl.controller.loop import Loop
     from hpcrl.controller.trainers import Trainers
     from hpcrl.controller.weights import WeightSync
+    from hpcrl.inference.client import InferenceClient
     from hpcrl.reward.pool import RewardPool
-    from hpcrl.rollout.client import InferenceClient
 
     timed(Loop, "_step", "step", step_arg=True)
     timed(Loop, "evaluate", "eval")

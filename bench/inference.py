@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from hpcrl.inference.client import InferenceClient
 from hpcrl.launch.process import spawn
 from hpcrl.models.tiny import make_tiny_model
 from hpcrl.net import PortAllocator, format_hostport
-from hpcrl.rollout.client import InferenceClient
 
 
 def prompts(tok, count: int) -> list[list[int]]:
@@ -77,7 +77,7 @@ def main() -> None:
     model, tok = AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
     batch = prompts(tok, args.requests)
     port = PortAllocator().allocate(1)[0]
-    cmd = [sys.executable, "-m", "hpcrl.rollout.server", "--model-path", str(model_dir), "--port", str(port)]
+    cmd = [sys.executable, "-m", "hpcrl.inference.server", "--model-path", str(model_dir), "--port", str(port)]
     cmd += ["--batch-wait-ms", str(args.batch_wait_ms)]
     with spawn("server", cmd, work / "server.log") as server:
         address = format_hostport("127.0.0.1", port)

@@ -11,7 +11,7 @@ the server's ``ModelRunner``. Per model, side by side in each run:
 - disk: write the model as ``Engine.export_hf`` does (``save_pretrained`` of the state dict, tied copies
   dropped, into a hidden directory renamed into place), then the receiver's
   ``ModelRunner.load_weights_from_disk`` (safetensors ``load_file`` + copy into the parameters);
-- gloo: the weight-update group of ``hpcrl/rollout/weight_group.py`` (rank 0 + the receiver), rank 0
+- gloo: the weight-update group of ``hpcrl/inference/weight_group.py`` (rank 0 + the receiver), rank 0
   ``send_tensors``, the receiver ``receive_tensors`` + ``ModelRunner.load_tensors``, as the server's
   ``/update_weights_from_distributed`` does;
 - memcpy: ``copy_`` of every tensor into a preallocated one (the bytes once through memory);
@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 from _jobs import median, table
 
+from hpcrl.inference.weight_group import close_weight_group, open_weight_group, receive_tensors, send_tensors
 from hpcrl.models.tiny import make_tiny_model
 from hpcrl.net import PortAllocator
-from hpcrl.rollout.weight_group import close_weight_group, open_weight_group, receive_tensors, send_tensors
 
 MODELS = {  # name -> make_tiny_model sizes
     "tiny": dict(hidden_size=128, num_layers=2, num_heads=4, intermediate_size=512),  # the default job's
@@ -63,7 +63,7 @@ def wait_ack(group) -> None:
 
 
 def receive(model_dir: str, port: int, export_dir: str) -> None:
-    from hpcrl.rollout.server.runner import ModelRunner
+    from hpcrl.inference.server.runner import ModelRunner
 
     torch.set_num_threads(1)  # the CPU server's torch thread shares the machine with the sender
     runner = ModelRunner(model_dir)

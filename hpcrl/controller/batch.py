@@ -7,7 +7,7 @@ import statistics
 import torch
 
 from hpcrl.config.schema import AlgorithmConfig
-from hpcrl.rollout.workflow import Group
+from hpcrl.rollout.workflows.base import Group
 from hpcrl.rpc.messages import SequenceData
 from hpcrl.train.algorithms import compute_advantages
 

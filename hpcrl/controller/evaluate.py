@@ -7,8 +7,8 @@ import asyncio
 import statistics
 from typing import Any
 
-from hpcrl.rollout.client import InferenceClient
-from hpcrl.rollout.scaffold import Controller, Episode
+from hpcrl.inference.client import InferenceClient
+from hpcrl.rollout.workflows.scaffold import Controller, Episode
 
 
 async def greedy_accuracy(

@@ -31,12 +31,12 @@ from hpcrl.controller.progress import Progress
 from hpcrl.controller.servers import ServerPool
 from hpcrl.controller.trainers import Trainers
 from hpcrl.controller.weights import WeightSync
+from hpcrl.inference.client import InferenceClient
 from hpcrl.launch.addresses import port_range
 from hpcrl.launch.base import RoleSpec, Scheduler
 from hpcrl.launch.local import LocalScheduler
 from hpcrl.launch.slots import PortSlots
 from hpcrl.reward.pool import RewardPool
-from hpcrl.rollout.client import InferenceClient
 from hpcrl.rpc.auth import create_token, read_token
 from hpcrl.rundir import RunDir
 
@@ -123,7 +123,7 @@ def make_scheduler(cfg: Config, run_dir: RunDir, slots: PortSlots) -> Scheduler:
 
 
 def server_spec(cfg: Config) -> RoleSpec:
-    return _role_spec(cfg, "server", "hpcrl.rollout.worker")
+    return _role_spec(cfg, "server", "hpcrl.inference.worker")
 
 
 def trainer_spec(cfg: Config) -> RoleSpec:
@@ -213,7 +213,7 @@ def workflow_text(cfg: Config) -> list[str]:
     w = cfg.workflow
     if w.name == "multi_turn":  # the feedback as the model sees it: a user turn in the chat template
         from hpcrl.models.tiny import make_tokenizer
-        from hpcrl.rollout.multi_turn import feedback_text
+        from hpcrl.rollout.workflows.multi_turn import feedback_text
 
         return [feedback_text(make_tokenizer(), w.feedback)]
     return list(w.stages) if w.name == "pipeline" else []

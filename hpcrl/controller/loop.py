@@ -28,11 +28,11 @@ from hpcrl.controller.preempt import Preempted, PreemptionGuard
 from hpcrl.controller.recovery import Checkpoints, ControllerState, find_checkpoint, rng_states, set_rng_states
 from hpcrl.controller.rows import TrainingRows
 from hpcrl.controller.weights import WeightSync
+from hpcrl.inference.client import InferenceClient
 from hpcrl.reward.outcome import RewardError
-from hpcrl.rollout.client import InferenceClient
 from hpcrl.rollout.executor import RolloutExecutor
-from hpcrl.rollout.workflow import Group
 from hpcrl.rollout.workflows import make_workflow
+from hpcrl.rollout.workflows.base import Group
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ class Loop:
 
     async def _push(self, sync: WeightSync, step: int) -> None:
         """The weight sync; one that failed because a server died goes again once that server has left the pool."""
-        from hpcrl.rollout.client import InferenceError
+        from hpcrl.inference.client import InferenceError
 
         servers = len(self.w.client.addresses)
         try:
@@ -305,7 +305,7 @@ def _episode_errors() -> tuple[type[BaseException], ...]:
     """Errors that fail one episode's group, not the run: a server that kept failing a request through the
     client's bounded retries, or an episode that raised on a rollout worker. A dead server or trainer is the
     watchdog's to report; many failures in a row fail the run (RolloutExecutor)."""
-    from hpcrl.rollout.client import InferenceError
+    from hpcrl.inference.client import InferenceError
     from hpcrl.rollout.remote import RolloutWorkerError
 
     return (InferenceError, RolloutWorkerError)

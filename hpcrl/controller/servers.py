@@ -27,9 +27,9 @@ import time
 from typing import Any
 
 from hpcrl.config.schema import Config
+from hpcrl.inference.client import InferenceError
 from hpcrl.launch.base import Scheduler, WorkerFailed, WorkerGroup
 from hpcrl.launch.registry import Entry
-from hpcrl.rollout.client import InferenceError
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class ServerPool:
     def __init__(self, cfg: Config, group: WorkerGroup, entries: list[Entry], scheduler: Scheduler | None = None):
         self.cfg, self.group, self.scheduler = cfg, group, scheduler
         self.addresses = {e.rank: e.address for e in entries}  # every server's latest address, by rank
-        self.client: Any = None  # rollout.client.InferenceClient
+        self.client: Any = None  # inference.client.InferenceClient
         self.sync: Any = None  # controller.weights.WeightSync
         self.episodes: Any = None  # rollout.remote.RemoteEpisodes, when rollout workers run the episodes
         self.lost = self.restarts = 0

@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from hpcrl.rollout.client import InferenceClient
+from hpcrl.inference.client import InferenceClient
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The scheduler seam: start a role's worker group, wait until every worker is ready, stop it.
 
     with LocalScheduler(run_dir, PortSlots({"server": 1, "trainer": 2})) as scheduler:
-        servers = scheduler.start(RoleSpec("server", [python, "-m", "hpcrl.rollout.worker"], workers=1))
+        servers = scheduler.start(RoleSpec("server", [python, "-m", "hpcrl.inference.worker"], workers=1))
         trainers = scheduler.start(RoleSpec("trainer", [python, "-m", "hpcrl.train.worker"], workers=2, torchrun=True))
         entries = servers.wait_ready() + trainers.wait_ready()  # fails at once if a worker dies
         ...

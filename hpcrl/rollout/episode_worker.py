@@ -58,14 +58,14 @@ from hpcrl.launch.registry import Entry, Registry
 from hpcrl.launch.slots import parse_worker_args, worker_ports
 from hpcrl.logs import setup_logging
 from hpcrl.rollout.remote import EpisodeRequest, SetResumed, SetServers
-from hpcrl.rollout.workflow import Group, Workflow
+from hpcrl.rollout.workflows.base import Group, Workflow
 from hpcrl.rpc.auth import read_token
 from hpcrl.rpc.messages import Ack, Ping, Pong
 from hpcrl.rpc.server import RpcServer
 from hpcrl.rundir import RunDir
 
 if TYPE_CHECKING:
-    from hpcrl.rollout.client import InferenceClient
+    from hpcrl.inference.client import InferenceClient
 
 log = logging.getLogger("hpcrl.rollout.episode_worker")
 
@@ -130,7 +130,7 @@ async def serve(
     cfg: Config, run_dir: RunDir, rank: int, token: str, servers: list[str], tokenizer: Any, rewards: Any
 ) -> int:
     """Serve episodes until ``shutdown`` or a signal; returns the exit status."""
-    from hpcrl.rollout.client import InferenceClient
+    from hpcrl.inference.client import InferenceClient
     from hpcrl.rollout.workflows import make_workflow
 
     signals = _catch_signals()

@@ -37,7 +37,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from hpcrl.rollout.workflow import Group, Sample
+from hpcrl.rollout.workflows.base import Group, Sample
 from hpcrl.rpc.client import RpcClient
 from hpcrl.rpc.errors import RemoteError, RpcConnectionError, RpcError
 from hpcrl.rpc.messages import Ping, register

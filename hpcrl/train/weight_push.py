@@ -59,7 +59,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from hpcrl.rollout.weight_group import close_weight_group, open_weight_group, send_tensors
+from hpcrl.inference.weight_group import close_weight_group, open_weight_group, send_tensors
 
 if TYPE_CHECKING:
     from hpcrl.train.dist import DistInfo

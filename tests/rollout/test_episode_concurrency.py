@@ -7,7 +7,7 @@ import threading
 import time
 
 from hpcrl.rollout.remote import EpisodeRequest
-from hpcrl.rollout.workflow import Group
+from hpcrl.rollout.workflows.base import Group
 from hpcrl.rpc.client import RpcClient
 from hpcrl.rpc.server import RpcServer
 

@@ -34,11 +34,11 @@ from hpcrl.launch.slots import PortSlots
 from hpcrl.models.tokenizer import load_tokenizer
 from hpcrl.reward.builtin import mod10
 from hpcrl.rollout.remote import NoRolloutWorkers, RemoteEpisodes, RolloutWorkerError, RolloutWorkerLost
-from hpcrl.rollout.workflow import Group, Sample
+from hpcrl.rollout.workflows.base import Group, Sample
 from hpcrl.rpc.auth import create_token
 from hpcrl.rpc.wire import decode, encode
 from hpcrl.rundir import RunDir
-from tests.rollout.test_client_fakes import FakeServer
+from tests.inference.test_client_fakes import FakeServer
 
 GROUP_SIZE = 2
 MAX_NEW_TOKENS = 4

@@ -11,12 +11,12 @@ import pytest
 
 from hpcrl.config.schema import AlgorithmConfig
 from hpcrl.controller.batch import to_sequences
+from hpcrl.inference.client import InferenceClient
 from hpcrl.models.tiny import make_tokenizer
 from hpcrl.models.tokenizer import load_tokenizer
 from hpcrl.reward.outcome import RewardOutcome
-from hpcrl.rollout.client import InferenceClient
-from hpcrl.rollout.multi_turn import MultiTurn, feedback_ids, feedback_text
-from hpcrl.rollout.workflow import version_number
+from hpcrl.rollout.workflows.base import version_number
+from hpcrl.rollout.workflows.multi_turn import MultiTurn, feedback_ids, feedback_text
 
 FEEDBACK = " no, again: "
 PROMPT, ANSWER = "3+4=", "7"

@@ -10,13 +10,14 @@ import pytest
 
 from hpcrl.config.schema import AlgorithmConfig, Config, RewardConfig, RolloutConfig, WorkflowConfig
 from hpcrl.controller.evaluate import controller_accuracy
+from hpcrl.inference.client import GenerateResult, InferenceClient
 from hpcrl.models.tiny import make_tokenizer
 from hpcrl.models.tokenizer import load_tokenizer
 from hpcrl.reward.builtin import extract_answer
 from hpcrl.reward.outcome import RewardOutcome
 from hpcrl.reward.pool import RewardPool
-from hpcrl.rollout.client import GenerateResult, InferenceClient
-from hpcrl.rollout.scaffold import (
+from hpcrl.rollout.workflows.base import sampling_params
+from hpcrl.rollout.workflows.scaffold import (
     BestOfN,
     Episode,
     Generate,
@@ -27,7 +28,6 @@ from hpcrl.rollout.scaffold import (
     runs_per_group,
     scaffold_workflow,
 )
-from hpcrl.rollout.workflow import sampling_params
 
 TAGGED = "tests.rollout.test_scaffold:tagged"
 EPISODES = 64

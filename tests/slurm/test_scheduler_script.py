@@ -37,7 +37,7 @@ CLUSTER = ClusterConfig(
         "trainer": RoleResources(partition="train", time_min=120, mem_gb=1.5, extra_sbatch=["--exclusive"]),
     },
 )
-SERVER = RoleSpec("server", ["python", "-m", "hpcrl.rollout.worker"], workers=4, gpus_per_worker=2, cpus_per_worker=8)
+SERVER = RoleSpec("server", ["python", "-m", "hpcrl.inference.worker"], workers=4, gpus_per_worker=2, cpus_per_worker=8)
 TRAINER = RoleSpec(
     "trainer", ["python", "-m", "hpcrl.train.worker"], workers=16, nodes=2, gpus_per_worker=1, torchrun=True
 )

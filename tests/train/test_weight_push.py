@@ -17,12 +17,12 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from hpcrl.config.schema import InferenceConfig, TrainConfig
-from hpcrl.rollout.serve import start_server, stop_servers, wait_ready
+from hpcrl.inference.serve import start_server, stop_servers, wait_ready
 from hpcrl.train.dist import init_distributed
 from hpcrl.train.engine import Engine
 from hpcrl.train.weight_push import join_weight_group, push_over_group, weight_specs
 from tests.conftest import REPO, run_torchrun
-from tests.rollout.conftest import free_port
+from tests.inference.conftest import free_port
 
 SCRIPT = REPO / "tests" / "train" / "scripts" / "push_weights.py"
 TIMEOUT_S = 240  # the script's collectives time out after 120 s, so a hang fails long before this

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.config.schema import TrainConfig
+from hpcrl.inference.client import InferenceClient
 from hpcrl.logs import setup_logging
-from hpcrl.rollout.client import InferenceClient
 from hpcrl.train.batch import MicroBatch, Normalizer, Sequence
 from hpcrl.train.dist import DistInfo, init_distributed
 from hpcrl.train.engine import Engine

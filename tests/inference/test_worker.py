@@ -21,11 +21,11 @@ from hpcrl.config.schema import (
     RoleResources,
     RunConfig,
 )
+from hpcrl.inference.client import InferenceClient
 from hpcrl.launch.addresses import port_range
 from hpcrl.launch.base import RoleSpec, WorkerFailed
 from hpcrl.launch.local import LocalScheduler
 from hpcrl.launch.slots import PortSlots
-from hpcrl.rollout.client import InferenceClient
 from hpcrl.rundir import RunDir
 
 PARAMS = {"max_new_tokens": 4, "temperature": 0}
@@ -53,7 +53,7 @@ def make_run(tmp_path, model_path, servers: int = 1, advertise_host: str = "") -
 def start_servers(cfg: Config, run_dir: RunDir) -> tuple[LocalScheduler, RoleSpec]:
     spec = RoleSpec(
         "server",
-        [sys.executable, "-m", "hpcrl.rollout.worker"],
+        [sys.executable, "-m", "hpcrl.inference.worker"],
         workers=cfg.allocation.server.workers,
         setup_timeout_s=cfg.cluster.roles["server"].setup_timeout_s,
     )

@@ -8,10 +8,10 @@ import time
 import pytest
 
 from hpcrl.config.schema import InferenceConfig
+from hpcrl.inference.client import InferenceClient, InferenceError
+from hpcrl.inference.serve import start_server, stop_servers, wait_ready
 from hpcrl.launch.process import ChildExited
-from hpcrl.rollout.client import InferenceClient, InferenceError
-from hpcrl.rollout.serve import start_server, stop_servers, wait_ready
-from tests.rollout.conftest import free_port
+from tests.inference.conftest import free_port
 
 PARAMS = {"max_new_tokens": 4, "temperature": 0}
 

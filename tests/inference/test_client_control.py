@@ -1,6 +1,6 @@
 """The inference client's control path: health waits, pause/resume, weight updates, collectives.
 
-Each test runs fake SGLang-like servers (tests/rollout/test_client_fakes.py) on real loopback sockets.
+Each test runs fake SGLang-like servers (tests/inference/test_client_fakes.py) on real loopback sockets.
 """
 
 import asyncio
@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from hpcrl.rollout.client import InferenceClient, InferenceError
-from tests.rollout.test_client_fakes import closed_port_address, fake_servers, run
+from hpcrl.inference.client import InferenceClient, InferenceError
+from tests.inference.test_client_fakes import closed_port_address, fake_servers, run
 
 
 def _named(address: str, text: str) -> bool:

@@ -9,11 +9,11 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from hpcrl.rollout.server.protocol import parse_generate, response
-from hpcrl.rollout.server.runner import ModelRunner
-from hpcrl.rollout.server.sampling import RequestError
-from hpcrl.rollout.server.scheduler import Scheduler, Sequence
-from hpcrl.rollout.weight_group import close_weight_group, open_weight_group, receive_tensors
+from hpcrl.inference.server.protocol import parse_generate, response
+from hpcrl.inference.server.runner import ModelRunner
+from hpcrl.inference.server.sampling import RequestError
+from hpcrl.inference.server.scheduler import Scheduler, Sequence
+from hpcrl.inference.weight_group import close_weight_group, open_weight_group, receive_tensors
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 << 20

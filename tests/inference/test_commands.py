@@ -5,8 +5,8 @@ import logging
 import pytest
 
 from hpcrl.config.schema import InferenceConfig
-from hpcrl.rollout.commands import server_command
-from hpcrl.rollout.sglang import SGLANG_SETUP_TIMEOUT_S, sglang_command, sglang_env
+from hpcrl.inference.commands import server_command
+from hpcrl.inference.sglang import SGLANG_SETUP_TIMEOUT_S, sglang_command, sglang_env
 
 PY = "/opt/venv/bin/python"
 
@@ -121,7 +121,7 @@ def test_bad_values_are_refused_before_launch():
 
 def test_cpu_server_command():
     assert command("cpu", max_running_requests=32, batch_wait_ms=2.5) == [
-        PY, "-m", "hpcrl.rollout.server",
+        PY, "-m", "hpcrl.inference.server",
         "--model-path", "/models/tiny",
         "--host", "0.0.0.0",
         "--port", "30000",

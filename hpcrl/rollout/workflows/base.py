@@ -12,7 +12,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from hpcrl.rollout.client import InferenceClient
+from hpcrl.inference.client import InferenceClient
 
 
 class Rewarder(Protocol):

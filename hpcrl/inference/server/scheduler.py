@@ -25,8 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpcrl.rollout.server.runner import BatchState, ModelRunner
-from hpcrl.rollout.server.sampling import BatchSampler, SamplingParams
+from hpcrl.inference.server.runner import BatchState, ModelRunner
+from hpcrl.inference.server.sampling import BatchSampler, SamplingParams
 
 log = logging.getLogger(__name__)
 

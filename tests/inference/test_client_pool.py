@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from hpcrl.rollout.client import InferenceClient, InferenceError
-from tests.rollout.test_client_fakes import fake_servers, run
+from hpcrl.inference.client import InferenceClient, InferenceError
+from tests.inference.test_client_fakes import fake_servers, run
 
 PARAMS = {"max_new_tokens": 3, "temperature": 1.0}
 

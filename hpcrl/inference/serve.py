@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcrl.config.schema import InferenceConfig
+from hpcrl.inference.client import InferenceClient
+from hpcrl.inference.commands import server_command
+from hpcrl.inference.sglang import sglang_env
 from hpcrl.launch.process import Child, spawn, stop_all
 from hpcrl.net import format_hostport
-from hpcrl.rollout.client import InferenceClient
-from hpcrl.rollout.commands import server_command
-from hpcrl.rollout.sglang import sglang_env
 
 
 @dataclass

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hpcrl.config.schema import SERVER_BACKENDS, InferenceConfig
-from hpcrl.rollout.sglang import bind_host_arg, port_arg, sglang_command
+from hpcrl.inference.sglang import bind_host_arg, port_arg, sglang_command
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def _cpu(
     return [
         python,
         "-m",
-        "hpcrl.rollout.server",
+        "hpcrl.inference.server",
         "--model-path",
         model_path,
         "--host",

@@ -1,15 +1,15 @@
 """The inference client's generate path: request shape, parsing, retries, timeouts and server choice.
 
-Each test runs fake SGLang-like servers (tests/rollout/test_client_fakes.py) on real loopback sockets.
+Each test runs fake SGLang-like servers (tests/inference/test_client_fakes.py) on real loopback sockets.
 """
 
 import asyncio
 
 import pytest
 
+from hpcrl.inference.client import GenerateResult, InferenceClient, InferenceError
 from hpcrl.net import has_ipv6
-from hpcrl.rollout.client import GenerateResult, InferenceClient, InferenceError
-from tests.rollout.test_client_fakes import HOLD, closed_port_address, fake_servers, run, wait_for_requests
+from tests.inference.test_client_fakes import HOLD, closed_port_address, fake_servers, run, wait_for_requests
 
 PARAMS = {"max_new_tokens": 3, "temperature": 1.0}
 FAST = {"backoff_s": 0.01}  # retries without real waiting

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from hpcrl.inference.weight_group import open_weight_group, send_tensors
 from hpcrl.models.tokenizer import load_tokenizer
-from hpcrl.rollout.weight_group import open_weight_group, send_tensors
 
 LONG = 6000  # new tokens no server here can produce in the second before a test interrupts them
 PROMPTS = ["3+4=", "12+7=", "hello", "9+9=", "a", "0+0=", "The cat", "5+"]
@@ -111,7 +111,7 @@ def test_update_weights_from_disk_changes_outputs_and_version(fresh_server, tiny
 
 def test_update_weights_over_a_gloo_group(fresh_server, tiny_model_b):
     server = fresh_server
-    from tests.rollout.conftest import free_port
+    from tests.inference.conftest import free_port
 
     model_b, tok = _reference(tiny_model_b)
     port = free_port()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from hpcrl.rollout.server.sampling import BatchSampler
+from hpcrl.inference.server.sampling import BatchSampler
 
 log = logging.getLogger(__name__)
 

@@ -4,6 +4,11 @@
     group = await workflow.run(prompt, answer)      # episodes run concurrently on this one object
 
 Used by the controller and by rollout workers alike, so both run the same episode for the same config.
+
+    base.py         Sample, Group, the Workflow and Rewarder interfaces, the sampling parameters
+    single_turn.py  SingleTurn: one completion per sample (the default)
+    multi_turn.py   MultiTurn: answer, feedback, answer again
+    scaffold.py     Generate, BestOfN, MajorityVote, Pipeline: scaffolds for evaluation and as rollout
 """
 
 from __future__ import annotations
@@ -12,8 +17,8 @@ import asyncio
 from typing import Any
 
 from hpcrl.config.schema import Config
-from hpcrl.rollout.client import InferenceClient
-from hpcrl.rollout.workflow import Rewarder, SingleTurn, Workflow, sampling_params
+from hpcrl.inference.client import InferenceClient
+from hpcrl.rollout.workflows.base import Rewarder, SingleTurn, Workflow, sampling_params
 
 WORKFLOWS = ("single_turn", "multi_turn", "best_of_n", "majority_vote", "pipeline")
 SCAFFOLDS = ("best_of_n", "majority_vote", "pipeline")  # scaffolding controllers run as rollout (scaffold.py)
@@ -28,7 +33,7 @@ def make_workflow(
     if name == "single_turn":
         return SingleTurn(client, tokenizer, sampling, cfg.algorithm.group_size, rewards, resumed)
     if name == "multi_turn":
-        from hpcrl.rollout.multi_turn import MultiTurn
+        from hpcrl.rollout.workflows.multi_turn import MultiTurn
 
         w = cfg.workflow
         return MultiTurn(
@@ -36,7 +41,7 @@ def make_workflow(
             max_turns=w.max_turns, turn_discount=w.turn_discount, feedback=w.feedback,
         )  # fmt: skip
     if name in SCAFFOLDS:
-        from hpcrl.rollout.scaffold import scaffold_workflow
+        from hpcrl.rollout.workflows.scaffold import scaffold_workflow
 
         return scaffold_workflow(cfg, client, tokenizer, sampling, rewards, resumed)
     raise ValueError(f"workflow.name={name!r} is invalid: expected one of {', '.join(WORKFLOWS)}")

@@ -23,8 +23,8 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from hpcrl.rollout.client_http import HttpPool, InferenceError, fixed
-from hpcrl.rollout.client_wire import GenerateResult, check_sampling, check_success, parse_result
+from hpcrl.inference.client_http import HttpPool, InferenceError, fixed
+from hpcrl.inference.client_wire import GenerateResult, check_sampling, check_success, parse_result
 
 __all__ = ["POLICIES", "GenerateResult", "InferenceClient", "InferenceError"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hpcrl.rollout.client_http import InferenceError
+from hpcrl.inference.client_http import InferenceError
 
 
 @dataclass(slots=True)

@@ -48,10 +48,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from hpcrl.config.schema import Config, WorkflowConfig
+from hpcrl.inference.client import InferenceClient
 from hpcrl.reward.builtin import extract_answer
 from hpcrl.reward.pool import RewardPool
-from hpcrl.rollout.client import InferenceClient
-from hpcrl.rollout.workflow import Group, Rewarder, Sample, SingleTurn
+from hpcrl.rollout.workflows.base import Group, Rewarder, Sample, SingleTurn
 
 __all__ = [
     "BestOfN",

@@ -23,8 +23,8 @@ import asyncio
 import logging
 from typing import Any
 
-from hpcrl.rollout.client import InferenceClient
-from hpcrl.rollout.workflow import Group, Rewarder, Sample, SingleTurn
+from hpcrl.inference.client import InferenceClient
+from hpcrl.rollout.workflows.base import Group, Rewarder, Sample, SingleTurn
 
 log = logging.getLogger(__name__)
 

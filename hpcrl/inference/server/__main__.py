@@ -1,4 +1,4 @@
-"""``python -m hpcrl.rollout.server --model-path DIR --host H --port N [...]``."""
+"""``python -m hpcrl.inference.server --model-path DIR --host H --port N [...]``."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import os
 
 from hpcrl.logs import setup_logging
 
-log = logging.getLogger("hpcrl.rollout.server")
+log = logging.getLogger("hpcrl.inference.server")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m hpcrl.rollout.server", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m hpcrl.inference.server", description=__doc__)
     p.add_argument("--model-path", required=True, help="local Hugging Face model directory")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (a wildcard or one interface)")
     p.add_argument("--port", type=int, required=True)
@@ -30,9 +30,9 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("server", args.rank)
     from aiohttp import web
 
-    from hpcrl.rollout.server.app import Server
-    from hpcrl.rollout.server.runner import ModelRunner
-    from hpcrl.rollout.server.scheduler import Scheduler
+    from hpcrl.inference.server.app import Server
+    from hpcrl.inference.server.runner import ModelRunner
+    from hpcrl.inference.server.scheduler import Scheduler
 
     runner = ModelRunner(args.model_path, args.dtype, args.seed)
     scheduler = Scheduler(runner, args.max_running_requests, args.batch_wait_ms)

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from hpcrl.rollout.server.sampling import RequestError, SamplingParams
+from hpcrl.inference.server.sampling import RequestError, SamplingParams
 
 KNOWN_FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "rid", "stream"}
 KNOWN_FIELDS |= {"logprob_start_len", "top_logprobs_num", "return_text_in_logprobs"}

@@ -1,4 +1,4 @@
-"""``python -m hpcrl.rollout.worker [--run-dir DIR] [--rank N]``: one inference-server worker (role ``server``).
+"""``python -m hpcrl.inference.worker [--run-dir DIR] [--rank N]``: one inference-server worker (role ``server``).
 
 What a scheduler runs for each server. The worker:
 
@@ -33,16 +33,16 @@ from types import FrameType
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.load import load_run_config
 from hpcrl.config.schema import Config
+from hpcrl.inference.client import InferenceClient, InferenceError
+from hpcrl.inference.serve import ServerProcess, start_server, stop_servers
 from hpcrl.launch.addresses import port_range, worker_addresses
 from hpcrl.launch.process import Child, ChildExited
 from hpcrl.launch.registry import Entry, Registry
 from hpcrl.launch.slots import parse_worker_args, worker_ports
 from hpcrl.logs import setup_logging
-from hpcrl.rollout.client import InferenceClient, InferenceError
-from hpcrl.rollout.serve import ServerProcess, start_server, stop_servers
 from hpcrl.rundir import RunDir
 
-log = logging.getLogger("hpcrl.rollout.worker")
+log = logging.getLogger("hpcrl.inference.worker")
 
 ROLE = "server"
 TINY_MODEL_DIR = "model"  # where, in the run directory, the controller writes the model of model.source=tiny
@@ -73,7 +73,7 @@ class _Signals:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return parse_worker_args("python -m hpcrl.rollout.worker", __doc__.splitlines()[0], "the servers", argv)
+    return parse_worker_args("python -m hpcrl.inference.worker", __doc__.splitlines()[0], "the servers", argv)
 
 
 def main(argv: list[str] | None = None) -> int:
