@@ -18,7 +18,8 @@ from typing import Any
 
 from hpcrl.config.schema import Config
 from hpcrl.inference.client import InferenceClient
-from hpcrl.rollout.workflows.base import Rewarder, SingleTurn, Workflow, sampling_params
+from hpcrl.rollout.workflows.base import Rewarder, Workflow, sampling_params
+from hpcrl.rollout.workflows.single_turn import SingleTurn
 
 WORKFLOWS = ("single_turn", "multi_turn", "best_of_n", "majority_vote", "pipeline")
 SCAFFOLDS = ("best_of_n", "majority_vote", "pipeline")  # scaffolding controllers run as rollout (scaffold.py)

@@ -24,7 +24,8 @@ import logging
 from typing import Any
 
 from hpcrl.inference.client import InferenceClient
-from hpcrl.rollout.workflows.base import Group, Rewarder, Sample, SingleTurn
+from hpcrl.rollout.workflows.base import Group, Rewarder, Sample
+from hpcrl.rollout.workflows.single_turn import SingleTurn
 
 log = logging.getLogger(__name__)
 

@@ -51,7 +51,8 @@ from hpcrl.config.schema import Config, WorkflowConfig
 from hpcrl.inference.client import InferenceClient
 from hpcrl.reward.builtin import extract_answer
 from hpcrl.reward.pool import RewardPool
-from hpcrl.rollout.workflows.base import Group, Rewarder, Sample, SingleTurn
+from hpcrl.rollout.workflows.base import Group, Rewarder, Sample
+from hpcrl.rollout.workflows.single_turn import SingleTurn
 
 __all__ = [
     "BestOfN",
