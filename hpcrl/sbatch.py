@@ -25,12 +25,12 @@ from hpcrl.config.overrides import expand_allocation_shorthand
 from hpcrl.launch.slurm.hetjob import submit_script
 from hpcrl.launch.slurm.scripts import controller_script, run_hetjob_script, write_script
 
-RENDER = {"controller": controller_script, "hetjob": run_hetjob_script}
+KINDS = ("controller", "hetjob")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m hpcrl.sbatch", description=__doc__.split("\n\n")[1])
-    parser.add_argument("kind", choices=sorted(RENDER), help="what the script runs")
+    parser.add_argument("kind", choices=KINDS, help="what the script runs")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m hpcrl.main")
     parser.add_argument("--dry-run", action="store_true", help="print the script and the command; submit nothing")
     parser.add_argument("--write", type=Path, help="write the script to this file; submit nothing")
@@ -44,7 +44,12 @@ def render(kind: str, overrides: list[str], python: str) -> str:
     cfg = compose_config(overrides)
     if cfg.cluster.kind != "slurm":
         raise ConfigError("cluster.kind", cfg.cluster.kind, "slurm for a batch script (e.g. cluster=slurm_local)")
-    return RENDER[kind](cfg, overrides, python)
+    name = f"hpcrl-{cfg.run.experiment}"
+    if kind == "controller":
+        return controller_script(cfg.cluster, name, overrides, python)
+    from hpcrl.controller.roles import role_specs
+
+    return run_hetjob_script(cfg.cluster, name, role_specs(cfg), overrides, python)
 
 
 def main(argv: list[str] | None = None) -> None:

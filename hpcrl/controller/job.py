@@ -16,24 +16,24 @@ import asyncio
 import contextlib
 import json
 import logging
-import sys
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from hpcrl.config.load import dump_config
-from hpcrl.config.schema import Config, RoleAllocation, RoleResources
+from hpcrl.config.schema import Config
 from hpcrl.controller.loop import Loop, Workers
 from hpcrl.controller.metrics import plot
 from hpcrl.controller.preempt import PreemptionGuard
 from hpcrl.controller.progress import Progress
+from hpcrl.controller.roles import role_specs
 from hpcrl.controller.servers import ServerPool
 from hpcrl.controller.trainers import Trainers
 from hpcrl.controller.weights import WeightSync
 from hpcrl.inference.client import InferenceClient
 from hpcrl.launch.addresses import port_range
-from hpcrl.launch.base import RoleSpec, Scheduler
+from hpcrl.launch.base import Scheduler
 from hpcrl.launch.local import LocalScheduler
 from hpcrl.launch.slots import PortSlots
 from hpcrl.reward.pool import RewardPool
@@ -59,7 +59,7 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
         make_scheduler(cfg, run_dir, slots) as scheduler,
         RewardPool(cfg.reward.fn, cfg.reward.workers, cfg.reward.timeout_s) as rewards,
     ):
-        servers, trainers, *rollouts = scheduler.start_all([server_spec(cfg), trainer_spec(cfg), *rollout_specs(cfg)])
+        servers, trainers, *rollouts = scheduler.start_all(role_specs(cfg))
         server_entries = servers.wait_ready()
         trainer_entries = trainers.wait_ready()
         rollout_entries = rollouts[0].wait_ready() if rollouts else []
@@ -122,26 +122,6 @@ def make_scheduler(cfg: Config, run_dir: RunDir, slots: PortSlots) -> Scheduler:
     return LocalScheduler(run_dir, slots, ports)
 
 
-def server_spec(cfg: Config) -> RoleSpec:
-    return _role_spec(cfg, "server", "hpcrl.inference.worker")
-
-
-def trainer_spec(cfg: Config) -> RoleSpec:
-    # one torchrun per node; a thread per rank is all 2-core CI machines and CPU ranks can use
-    return _role_spec(cfg, "trainer", "hpcrl.train.worker", torchrun=True, env={"OMP_NUM_THREADS": "1"})
-
-
-def rollout_specs(cfg: Config) -> list[RoleSpec]:
-    """The rollout workers' role, when ``rollout.workers`` > 0: episodes (workflow and reward) run there.
-
-    They wait for the servers themselves, so they start with them; each runs ``reward.workers`` reward
-    processes, so on Slurm give the role that many CPUs and one more (``cluster.roles.rollout``).
-    """
-    if not cfg.rollout.workers:
-        return []
-    return [_role_spec(cfg, "rollout", "hpcrl.rollout.episode_worker", env={"OMP_NUM_THREADS": "1"})]
-
-
 @contextlib.asynccontextmanager
 async def _episodes(addresses: list[str], token: str, max_in_flight: int) -> AsyncIterator[Any]:
     """``RemoteEpisodes`` to the rollout workers, or None when the controller runs the episodes itself."""
@@ -152,24 +132,6 @@ async def _episodes(addresses: list[str], token: str, max_in_flight: int) -> Asy
 
     async with RemoteEpisodes(addresses, token, max_in_flight=max_in_flight) as episodes:
         yield episodes
-
-
-def _role_spec(cfg: Config, role: str, module: str, torchrun: bool = False, env: dict | None = None) -> RoleSpec:
-    res = cfg.cluster.roles.get(role) or _default_resources(cfg, role)
-    alloc = getattr(cfg.allocation, role, None) or RoleAllocation(
-        "cpu", cfg.rollout.workers, gpus_per_worker=0, nodes=1
-    )
-    return RoleSpec(
-        role,
-        [sys.executable, "-m", module],
-        workers=alloc.workers,
-        nodes=alloc.nodes,
-        gpus_per_worker=alloc.gpus_per_worker or 0,
-        cpus_per_worker=res.cpus_per_worker,
-        torchrun=torchrun,
-        env={**(env or {}), **cfg.cluster.env, **res.env},
-        setup_timeout_s=res.setup_timeout_s,
-    )
 
 
 def prepare_model(cfg: Config, run_dir: RunDir, rows: list[dict[str, str]]) -> Path:
@@ -198,13 +160,6 @@ def prepare_model(cfg: Config, run_dir: RunDir, rows: list[dict[str, str]]) -> P
         seed=cfg.run.seed,
         characters=characters,
     )
-
-
-def _default_resources(cfg: Config, role: str) -> RoleResources:
-    """A role the cluster names no resources for (rollout): a CPU per reward process and one more, and the
-    servers' setup timeout, since rollout workers wait for the servers."""
-    server = cfg.cluster.roles.get("server") or RoleResources()
-    return RoleResources(setup_timeout_s=server.setup_timeout_s, cpus_per_worker=cfg.reward.workers + 1)
 
 
 def workflow_text(cfg: Config) -> list[str]:

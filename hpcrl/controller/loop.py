@@ -18,7 +18,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpcrl.config.schema import Config
 from hpcrl.controller.batch import rollout_stats, shard, to_sequences
@@ -34,17 +34,23 @@ from hpcrl.rollout.executor import RolloutExecutor
 from hpcrl.rollout.workflows import make_workflow
 from hpcrl.rollout.workflows.base import Group
 
+if TYPE_CHECKING:  # types only: importing these here would add the reward pool and RPC to every loop import
+    from hpcrl.controller.servers import ServerPool
+    from hpcrl.controller.trainers import Trainers
+    from hpcrl.reward.pool import RewardPool
+    from hpcrl.rollout.remote import RemoteEpisodes
+
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Workers:
     client: InferenceClient  # the inference servers
-    trainers: Any  # controller.trainers.Trainers: RPC to every trainer rank
-    rewards: Any  # reward.pool.RewardPool
+    trainers: Trainers  # RPC to every trainer rank
+    rewards: RewardPool  # the reward processes, when the controller runs the episodes itself
     check_alive: Callable[[], None]  # raises naming the worker when one has died
-    episodes: Any = None  # rollout.remote.RemoteEpisodes when rollout workers run the episodes, else None
-    servers: Any = None  # controller.servers.ServerPool: drops or restarts a dead server
+    episodes: RemoteEpisodes | None = None  # when rollout workers run the episodes
+    servers: ServerPool | None = None  # drops or restarts a dead server
 
 
 class Loop:

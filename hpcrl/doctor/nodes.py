@@ -34,8 +34,8 @@ from hpcrl.doctor.jobs import ProbeJobs, output_tail, probe_script
 from hpcrl.doctor.local import run_root
 from hpcrl.doctor.probe import TIMEOUT_S, listen, read_line, send_line
 from hpcrl.doctor.report import Result, fail, ok, warn
+from hpcrl.launch.slurm.group import QUEUED_STATES
 from hpcrl.launch.slurm.resources import JobResources, role_resources
-from hpcrl.launch.slurm.scheduler import QUEUED_STATES
 from hpcrl.launch.slurm.watch import JobState
 from hpcrl.net import parse_hostport
 
@@ -99,7 +99,7 @@ class Probe(ABC):
             self.error = str(e)
 
     def resources(self, name: str) -> JobResources:
-        from hpcrl.controller.job import server_spec, trainer_spec
+        from hpcrl.controller.roles import server_spec, trainer_spec
 
         spec = {"server": server_spec, "trainer": trainer_spec}[self.role](self.cfg)
         res = role_resources(spec, self.cfg.cluster, name)

@@ -37,9 +37,9 @@ _JOB_ID = re.compile(r"Job \d+ to start at ")
 
 def sbatch_checks(cfg: Config, job_prefix: str, python: str, folder: Path) -> Iterator[Result]:
     """``folder`` only names output files in the rendered scripts; --test-only writes nothing there."""
-    from hpcrl.controller.job import rollout_specs, server_spec, trainer_spec
+    from hpcrl.controller.roles import role_specs
 
-    specs = [server_spec(cfg), trainer_spec(cfg), *rollout_specs(cfg)]
+    specs = role_specs(cfg)
     components = []
     for spec in specs:
         try:
@@ -57,7 +57,7 @@ def sbatch_checks(cfg: Config, job_prefix: str, python: str, folder: Path) -> It
     yield sbatch_test_only("sbatch controller", job_script(controller, cfg.cluster.setup))
     if cfg.cluster.submit_mode == "steps" and len(components) == len(specs):
         parts = [controller, *(c.resources for c in components)]
-        script = run_hetjob_script(cfg, [], python)
+        script = run_hetjob_script(cfg.cluster, f"hpcrl-{cfg.run.experiment}", specs, [], python)
         yield hetjob_fits("sbatch run hetjob", parts) or sbatch_test_only("sbatch run hetjob", script)
 
 

@@ -13,12 +13,14 @@ resources.py   RoleSpec + ClusterConfig -> JobResources (sbatch and srun options
 task.py        WorkerTask: what each Slurm task runs (rank, GPUs, log file, torchrun command)
 hetjob.py      render_hetjob_script: the batch script of one heterogeneous job; sbatch
 watch.py       JobWatcher: job states from squeue and sacct; cancel and wait_gone, by job id
-scheduler.py   SlurmScheduler, SlurmWorkerGroup
+scheduler.py   SlurmScheduler: submits the groups, restarts a role, scancels every job on exit
+group.py       SlurmWorkerGroup: one role's job (or het component); steps.py: the same as an srun step
 """
 
+from hpcrl.launch.slurm.group import SlurmWorkerGroup
 from hpcrl.launch.slurm.hetjob import HetComponent, render_hetjob_script
 from hpcrl.launch.slurm.resources import JobResources, role_resources
-from hpcrl.launch.slurm.scheduler import SlurmScheduler, SlurmWorkerGroup
+from hpcrl.launch.slurm.scheduler import SlurmScheduler
 from hpcrl.launch.slurm.task import WorkerTask
 
 __all__ = [

@@ -9,7 +9,8 @@
 Both run ``python -m hpcrl.main <overrides> "$@"``, so ``sbatch script.sbatch key=value ...`` adds overrides;
 their own output goes to ``hpcrl-<job id>.out`` in the directory sbatch ran in (Slurm makes no folders, and
 the run directory does not exist before the job starts). The roles' components are rendered with the same
-``role_resources`` and ``sbatch_lines`` as ``hetjob`` mode (hetjob.py).
+``role_resources`` and ``sbatch_lines`` as ``hetjob`` mode (hetjob.py). The roles come in as ``RoleSpec``s:
+which roles a run has is decided above ``launch/`` (``hpcrl/controller/roles.py``, called by ``hpcrl.sbatch``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
-from hpcrl.config.schema import ClusterConfig, Config
+from hpcrl.config.schema import ClusterConfig
+from hpcrl.launch.base import RoleSpec
 from hpcrl.launch.slurm.resources import JobResources, role_resources, sbatch_lines
 
 OUTPUT = "hpcrl-%j.out"  # the batch script's own output, in the directory sbatch ran in
@@ -42,25 +44,23 @@ def controller_resources(cluster: ClusterConfig, name: str) -> JobResources:
     )
 
 
-def controller_script(cfg: Config, overrides: Sequence[str], python: str) -> str:
-    """The controller as one Slurm job; it submits the workers as ``cluster.submit_mode`` says."""
-    ctl = controller_resources(cfg.cluster, f"hpcrl-{cfg.run.experiment}")
+def controller_script(cluster: ClusterConfig, name: str, overrides: Sequence[str], python: str) -> str:
+    """The controller as one Slurm job named ``name``; it submits the workers as ``cluster.submit_mode`` says."""
     head = _header("controller", "the controller as one Slurm job; it submits its workers itself", overrides)
-    return _script([*head, *sbatch_lines(ctl), *_batch_lines(cfg.cluster)], cfg, overrides, python)
+    lines = [*head, *sbatch_lines(controller_resources(cluster, name)), *_batch_lines(cluster)]
+    return _script(lines, cluster, overrides, python)
 
 
-def run_hetjob_script(cfg: Config, overrides: Sequence[str], python: str) -> str:
-    """The whole run as one heterogeneous job: the controller (component 0), then each role."""
-    from hpcrl.controller.job import rollout_specs, server_spec, trainer_spec
-
-    prefix = f"hpcrl-{cfg.run.experiment}"
-    specs = [server_spec(cfg), trainer_spec(cfg), *rollout_specs(cfg)]
+def run_hetjob_script(
+    cluster: ClusterConfig, name: str, specs: Sequence[RoleSpec], overrides: Sequence[str], python: str
+) -> str:
+    """The whole run as one heterogeneous job: the controller (component 0, named ``name``), then each role."""
     roles = ", ".join(f"{spec.role} ({k})" for k, spec in enumerate(specs, start=1))
     head = _header("hetjob", f"the whole run as one heterogeneous job: the controller (0), {roles}", overrides)
-    lines = [*head, *sbatch_lines(controller_resources(cfg.cluster, prefix)), *_batch_lines(cfg.cluster)]
+    lines = [*head, *sbatch_lines(controller_resources(cluster, name)), *_batch_lines(cluster)]
     for spec in specs:
-        lines += ["#SBATCH hetjob", *sbatch_lines(role_resources(spec, cfg.cluster, f"{prefix}-{spec.role}"))]
-    return _script(lines, cfg, [*overrides, "cluster.submit_mode=steps"], python)
+        lines += ["#SBATCH hetjob", *sbatch_lines(role_resources(spec, cluster, f"{name}-{spec.role}"))]
+    return _script(lines, cluster, [*overrides, "cluster.submit_mode=steps"], python)
 
 
 def _batch_lines(cluster: ClusterConfig) -> list[str]:
@@ -84,9 +84,9 @@ def _header(kind: str, what: str, overrides: Sequence[str]) -> list[str]:
     ]
 
 
-def _script(head: list[str], cfg: Config, overrides: Sequence[str], python: str) -> str:
+def _script(head: list[str], cluster: ClusterConfig, overrides: Sequence[str], python: str) -> str:
     command = shlex.join([python, "-m", "hpcrl.main", *overrides]) + ' "$@"'
-    setup = ["", "# cluster.setup", *cfg.cluster.setup] if cfg.cluster.setup else []
+    setup = ["", "# cluster.setup", *cluster.setup] if cluster.setup else []
     return "\n".join([*head, *setup, "", f"exec {command}", ""])
 
 

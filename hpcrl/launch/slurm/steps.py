@@ -19,8 +19,8 @@ from collections.abc import Mapping, Sequence
 
 from hpcrl.launch.base import WorkerFailed
 from hpcrl.launch.process import Child
+from hpcrl.launch.slurm.group import SlurmWorkerGroup
 from hpcrl.launch.slurm.hetjob import HetComponent
-from hpcrl.launch.slurm.scheduler import SlurmWorkerGroup
 from hpcrl.launch.slurm.watch import JobState
 
 

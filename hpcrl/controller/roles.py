@@ -1,0 +1,66 @@
+"""The workers of a run as launch ``RoleSpec``s: what each role runs, how many, where, with what resources.
+
+    server    python -m hpcrl.inference.worker       one per inference server
+    trainer   torchrun -> python -m hpcrl.train.worker   one rank per trainer worker, one torchrun per node
+    rollout   python -m hpcrl.rollout.episode_worker  only with rollout.workers > 0
+
+The one place that turns the config's allocation into processes, for the job (``controller/job.py``), the
+batch scripts (``hpcrl/sbatch.py``) and the doctor alike; ``launch/`` takes the specs and knows no role.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from hpcrl.config.schema import Config, RoleAllocation, RoleResources
+from hpcrl.launch.base import RoleSpec
+
+
+def role_specs(cfg: Config) -> list[RoleSpec]:
+    """Every role the run starts, in the order the scheduler starts them: servers, trainers, rollout workers."""
+    return [server_spec(cfg), trainer_spec(cfg), *rollout_specs(cfg)]
+
+
+def server_spec(cfg: Config) -> RoleSpec:
+    return _role_spec(cfg, "server", "hpcrl.inference.worker")
+
+
+def trainer_spec(cfg: Config) -> RoleSpec:
+    # one torchrun per node; a thread per rank is all 2-core CI machines and CPU ranks can use
+    return _role_spec(cfg, "trainer", "hpcrl.train.worker", torchrun=True, env={"OMP_NUM_THREADS": "1"})
+
+
+def rollout_specs(cfg: Config) -> list[RoleSpec]:
+    """The rollout workers' role, when ``rollout.workers`` > 0: episodes (workflow and reward) run there.
+
+    They wait for the servers themselves, so they start with them; each runs ``reward.workers`` reward
+    processes, so on Slurm give the role that many CPUs and one more (``cluster.roles.rollout``).
+    """
+    if not cfg.rollout.workers:
+        return []
+    return [_role_spec(cfg, "rollout", "hpcrl.rollout.episode_worker", env={"OMP_NUM_THREADS": "1"})]
+
+
+def _role_spec(cfg: Config, role: str, module: str, torchrun: bool = False, env: dict | None = None) -> RoleSpec:
+    res = cfg.cluster.roles.get(role) or _default_resources(cfg, role)
+    alloc = getattr(cfg.allocation, role, None) or RoleAllocation(
+        "cpu", cfg.rollout.workers, gpus_per_worker=0, nodes=1
+    )
+    return RoleSpec(
+        role,
+        [sys.executable, "-m", module],
+        workers=alloc.workers,
+        nodes=alloc.nodes,
+        gpus_per_worker=alloc.gpus_per_worker or 0,
+        cpus_per_worker=res.cpus_per_worker,
+        torchrun=torchrun,
+        env={**(env or {}), **cfg.cluster.env, **res.env},
+        setup_timeout_s=res.setup_timeout_s,
+    )
+
+
+def _default_resources(cfg: Config, role: str) -> RoleResources:
+    """A role the cluster names no resources for (rollout): a CPU per reward process and one more, and the
+    servers' setup timeout, since rollout workers wait for the servers."""
+    server = cfg.cluster.roles.get("server") or RoleResources()
+    return RoleResources(setup_timeout_s=server.setup_timeout_s, cpus_per_worker=cfg.reward.workers + 1)
