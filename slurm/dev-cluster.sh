@@ -6,16 +6,28 @@
 #   slurm/dev-cluster.sh status   show which of those daemons run, and sinfo
 #
 # Run as root, on a host without systemd or cgroups (a container or VM is fine). `up` starts munged,
-# mariadbd + slurmdbd (so that `sacct` works), slurmctld and one slurmd per virtual node n1..nN. Every
-# node runs on this host (NodeAddr=127.0.0.1, one port each); there are two of them by default,
-# because the components of a heterogeneous job never share a node. Each daemon runs in the foreground
-# mode, in the background of this script, with its PID written to $HPCRL_SLURM_DIR/pids/NAME.pid; `down`
-# signals only those PIDs, and only while they still name the same program. Packages, configuration,
-# state and logs stay in place after `down`, so the next `up` takes a few seconds.
+# mariadbd + slurmdbd (so that `sacct` works), slurmctld and one slurmd per virtual node n1..nN.
+#
+# Every node is a host of its own on the network, as on a real cluster: it runs in its own network
+# namespace (hpcrl-nK) and UTS namespace (host name nK), with its own loopback and its own addresses,
+# 198.51.100.(10+K)/24 and fd51:51::(10+K)/64 (documentation and unique-local ranges), on a veth pair
+# joined to the bridge hpcrl-br0, where this host is 198.51.100.1 and fd51:51::1. slurmd runs inside
+# the namespaces, so every job step does too: a job on n1 sees only n1's addresses, and its 127.0.0.1 is
+# n1's alone. The control daemons (slurmctld, slurmdbd) stay on this host, reachable from every node at
+# 198.51.100.1. The namespaces have no default route and nothing is forwarded: no packet leaves this
+# machine. The node names resolve to their IPv4 addresses through /etc/hosts, on this host and on every
+# node (the mount namespace, and so the file system, is this host's: a cluster's shared file system).
+# There are three nodes by default, because the components of a heterogeneous job never share a node.
+#
+# Each daemon runs in the foreground mode, in the background of this script, with its PID written to
+# $HPCRL_SLURM_DIR/pids/NAME.pid; `down` signals only those PIDs, and only while they still name the same
+# program, then removes exactly the namespaces, links and /etc/hosts lines that `up` made (each is
+# recorded under $HPCRL_SLURM_DIR/net). Packages, configuration, state and logs stay in place after
+# `down`, so the next `up` takes a few seconds.
 #
 # Settings (environment):
 #   HPCRL_SLURM_DIR        state, spool, logs and PID files        (default /tmp/hpcrl-slurm)
-#   HPCRL_SLURM_NODES      number of virtual nodes                 (default 3: a run as one hetjob has 3 components)
+#   HPCRL_SLURM_NODES      number of virtual nodes, at most 200    (default 3: a run as one hetjob has 3 components)
 #   HPCRL_SLURM_CPUS       CPUs declared per node                  (default: what `slurmd -C` detects)
 #   HPCRL_SLURM_PARTITION  name of the (default) partition         (default debug)
 #   HPCRL_SLURM_TIMEOUT    seconds `up` waits for idle nodes       (default 90)
@@ -38,8 +50,12 @@ readonly DB_SOCKET=/run/mysqld/mysqld.sock
 readonly POLICY_RC=/usr/sbin/policy-rc.d
 readonly CTLD_PORT=6817
 readonly DBD_PORT=6819
-readonly FIRST_NODE_PORT=6821 # node nK listens on FIRST_NODE_PORT + K - 1
-readonly PACKAGES=(munge slurm-client slurmctld slurmd slurmdbd mariadb-server iproute2)
+readonly NODE_PORT=6818 # every slurmd listens on Slurm's default port, each in its own namespace
+readonly BRIDGE=hpcrl-br0
+readonly NET4=198.51.100 # node nK is $NET4.(10+K); this host, on the bridge, is $NET4.1
+readonly NET6=fd51:51:    # node nK is ${NET6}:(10+K); this host is ${NET6}:1
+readonly HOST4=$NET4.1
+readonly PACKAGES=(munge slurm-client slurmctld slurmd slurmdbd mariadb-server iproute2 util-linux)
 readonly STARTED=${EPOCHREALTIME/,/.}
 
 usage() { # usage EXIT_STATUS [COMPLAINT]
@@ -87,7 +103,17 @@ fail() {
 is_uint() { case $1 in '' | *[!0-9]*) return 1 ;; *) return 0 ;; esac }
 
 node_names() { seq -f 'n%g' 1 "$NODES"; }
-node_port() { echo $((FIRST_NODE_PORT + ${1#n} - 1)); }
+node_addr4() { echo "$NET4.$((10 + ${1#n}))"; }
+node_addr6() { echo "${NET6}:$((10 + ${1#n}))"; }
+netns_of() { echo "hpcrl-$1"; }
+veth_of() { echo "hpcrl-v${1#n}"; }
+# in_node NODE COMMAND...: run COMMAND in NODE's network namespace, in this host's mount namespace
+# (`ip netns exec` would mount a fresh /sys there, hiding the cgroup mounts that slurmd needs)
+in_node() {
+  local node=$1
+  shift
+  nsenter --net="/run/netns/$(netns_of "$node")" "$@"
+}
 
 # ------------------------------------------------------------------ the daemons this script started
 # ours NAME PROG: the PID recorded as NAME is alive and still runs PROG (a zombie counts as gone)
@@ -156,6 +182,7 @@ daemons() {
 }
 
 listening() { ss -Hltn "sport = :$1" 2>/dev/null | grep -q .; }
+node_listening() { in_node "$1" ss -Hltn "sport = :$NODE_PORT" 2>/dev/null | grep -q .; }
 
 # wait_until SECONDS WHAT NAME COMMAND...: run COMMAND every 0.2 s until it succeeds; fail after SECONDS,
 # or as soon as the daemon that this script has just started as NAME is gone
@@ -233,16 +260,69 @@ start_munge() {
   say "munged runs (pid $(<"$BASE/pids/munged.pid"))"
 }
 
-# the /etc/hosts line that makes n1..nN resolve (submitit and torchrun use node names as addresses)
+# the /etc/hosts lines that make n1..nN resolve to their addresses, on this host and on every node
 update_hosts() {
-  local want
-  want="127.0.0.1 $(node_names | tr '\n' ' ')$MARK"
+  local want n
+  want=$(for n in $(node_names); do echo "$(node_addr4 "$n") $n $MARK"; done)
   [ "$(grep -F -- "$MARK" /etc/hosts 2>/dev/null)" = "$want" ] && return 0
-  if rewrite_hosts "$want"; then
-    say "node names n1..n$NODES added to /etc/hosts"
-  else
-    say "warning: could not add n1..n$NODES to /etc/hosts"
+  rewrite_hosts "$want" || die "could not add the node names to /etc/hosts"
+  say "node names n1..n$NODES added to /etc/hosts ($(node_addr4 n1) ...)"
+}
+
+# ------------------------------------------------------------------ the network: a namespace per node
+# made NAME: whether `up` made the link or namespace NAME (a record under $BASE/net), so `down` may remove it
+made() { [ -e "$BASE/net/$1" ]; }
+record() { : >"$BASE/net/$1"; }
+
+start_network() {
+  local n ns veth
+  mkdir -p "$BASE/net"
+  if ! ip link show "$BRIDGE" >/dev/null 2>&1; then
+    ip link add "$BRIDGE" type bridge
+    record "$BRIDGE"
+  elif ! made "$BRIDGE"; then
+    die "a link named $BRIDGE exists that $PROG did not make: remove it, or run on another machine"
   fi
+  ip addr replace "$HOST4/24" dev "$BRIDGE"
+  ip addr replace "${NET6}:1/64" dev "$BRIDGE" nodad
+  ip link set "$BRIDGE" up
+  for n in $(node_names); do
+    ns=$(netns_of "$n") veth=$(veth_of "$n")
+    if ! [ -e "/run/netns/$ns" ]; then
+      ip netns add "$ns"
+      record "$ns"
+    elif ! made "$ns"; then
+      die "a network namespace named $ns exists that $PROG did not make"
+    fi
+    if ! ip link show "$veth" >/dev/null 2>&1; then
+      ip link add "$veth" type veth peer name eth0 netns "$ns"
+      record "$veth"
+    fi
+    ip link set "$veth" master "$BRIDGE" up
+    ip -n "$ns" link set lo up
+    ip -n "$ns" addr replace "$(node_addr4 "$n")/24" dev eth0
+    ip -n "$ns" addr replace "$(node_addr6 "$n")/64" dev eth0 nodad
+    ip -n "$ns" link set eth0 up
+  done
+  say "network: $BRIDGE $HOST4, nodes $(node_addr4 n1)..$(node_addr4 "n$NODES") (and ${NET6}:11..), a namespace each"
+}
+
+# stop_network: remove exactly the links and namespaces that `up` recorded (after the slurmds are gone: a
+# namespace with a live process in it would outlive its removal)
+stop_network() {
+  local f name failed=0
+  [ -d "$BASE/net" ] || return 0
+  for f in "$BASE"/net/*; do
+    [ -e "$f" ] || continue
+    name=$(basename "$f")
+    case $name in
+      hpcrl-n*) [ ! -e "/run/netns/$name" ] || ip netns del "$name" || failed=1 ;;
+      *) ! ip link show "$name" >/dev/null 2>&1 || ip link del "$name" || failed=1 ;;
+    esac
+    ((failed)) || rm -f "$f"
+  done
+  ((failed)) && return 1
+  say "network removed (namespaces, links)"
 }
 
 remove_hosts() {
@@ -294,9 +374,10 @@ slurm_conf() {
   memory=$((memory * 8 / 10))
   cat <<EOF
 $MARK: do not edit, the next 'up' rewrites it
-# a single-host test cluster: $NODES virtual nodes on 127.0.0.1, no systemd, no cgroups
+# a single-host test cluster: $NODES virtual nodes, each in a network namespace of its own; no systemd, no cgroups
 ClusterName=$CLUSTER
-SlurmctldHost=$(hostname -s)(127.0.0.1)
+# the address in () is what the nodes use: inside a node, this host's name would be that node's loopback
+SlurmctldHost=$(hostname -s)($HOST4)
 SlurmctldPort=$CTLD_PORT
 SlurmUser=root
 SlurmdUser=root
@@ -308,7 +389,8 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/slurmdbd
-AccountingStorageHost=localhost
+# not localhost: sacct inside a job would ask the node's own loopback
+AccountingStorageHost=$HOST4
 AccountingStoragePort=$DBD_PORT
 JobAcctGatherType=jobacct_gather/linux
 # backfill every second: a heterogeneous job starts in about 1 s instead of about 25 s
@@ -324,6 +406,7 @@ InactiveLimit=0
 Waittime=0
 MailProg=/bin/true
 StateSaveLocation=$BASE/state
+SlurmdPort=$NODE_PORT
 SlurmdSpoolDir=$BASE/spool/%n
 SlurmctldPidFile=$BASE/run/slurmctld.pid
 SlurmdPidFile=$BASE/run/slurmd-%n.pid
@@ -334,7 +417,7 @@ SlurmdDebug=info
 $overrides
 EOF
   for n in $(node_names); do
-    echo "NodeName=$n NodeHostname=$(hostname -s) NodeAddr=127.0.0.1 Port=$(node_port "$n") $hardware RealMemory=$memory State=UNKNOWN"
+    echo "NodeName=$n NodeAddr=$(node_addr4 "$n") $hardware RealMemory=$memory State=UNKNOWN"
   done
   echo "PartitionName=$PART Nodes=n[1-$NODES] Default=YES MaxTime=INFINITE State=UP"
 }
@@ -343,8 +426,8 @@ slurmdbd_conf() {
   cat <<EOF
 $MARK: do not edit, the next 'up' rewrites it
 AuthType=auth/munge
-DbdHost=localhost
-DbdAddr=127.0.0.1
+DbdHost=$(hostname -s)
+DbdAddr=$HOST4
 DbdPort=$DBD_PORT
 SlurmUser=root
 DebugLevel=info
@@ -387,7 +470,7 @@ start_accounting() {
 node_states() { sinfo -h -N -p "$PART" -o '%N %t' 2>/dev/null; }
 nodes_ready() {
   local n states
-  for n in $(node_names); do listening "$(node_port "$n")" || return 1; done
+  for n in $(node_names); do node_listening "$n" || return 1; done
   states=$(node_states) || return 1
   [ "$(grep -c -E ' (idle|mix|alloc)$' <<<"$states")" -eq "$NODES" ]
 }
@@ -426,8 +509,9 @@ start_slurm() {
   fi
   for n in $(node_names); do
     ours "slurmd-$n" slurmd && continue
-    listening "$(node_port "$n")" && die "port $(node_port "$n") (slurmd $n) is held by a process that $PROG did not start"
-    launch "slurmd-$n" slurmd -D -N "$n"
+    node_listening "$n" && die "port $NODE_PORT on $n is held by a process that $PROG did not start"
+    # the node's own host name in a UTS namespace of its own; every exec keeps the PID, so it is slurmd's
+    launch "slurmd-$n" nsenter --net="/run/netns/$(netns_of "$n")" unshare --uts sh -c "hostname $n && exec slurmd -D -N $n"
   done
 
   local deadline=$((SECONDS + TIMEOUT)) resumed="" d states
@@ -440,7 +524,7 @@ start_slurm() {
     while read -r n d; do
       case $d in drain* | drng* | down*) ;; *) continue ;; esac
       [[ " $resumed " == *" $n "* ]] && continue
-      listening "$(node_port "$n")" || continue
+      node_listening "$n" || continue
       say "node $n is $d ($(sinfo -h -n "$n" -o '%E' 2>/dev/null)): resuming it"
       scontrol update NodeName="$n" State=RESUME >/dev/null 2>&1 || true
       resumed+=" $n"
@@ -468,8 +552,8 @@ register_cluster() {
 cmd_up() {
   local stage
   [ "$(id -u)" = 0 ] || die "$PROG up must run as root (it installs packages and starts daemons)"
-  if ! is_uint "$NODES" || ((NODES < 1)); then
-    die "HPCRL_SLURM_NODES must be a positive integer, not '$NODES'"
+  if ! is_uint "$NODES" || ((NODES < 1 || NODES > 200)); then
+    die "HPCRL_SLURM_NODES must be an integer from 1 to 200 (node addresses $NET4.11..210), not '$NODES'"
   fi
   if [ -n "$CPUS" ] && { ! is_uint "$CPUS" || ((CPUS < 1)); }; then
     die "HPCRL_SLURM_CPUS must be a positive integer, not '$CPUS'"
@@ -481,6 +565,7 @@ cmd_up() {
   mkdir -p /etc/slurm
   install_packages
   start_munge
+  start_network
   update_hosts
   start_accounting
   start_slurm
@@ -493,6 +578,7 @@ cmd_down() {
   local i d failed=0
   [ -d "$BASE/pids" ] || {
     say "nothing to stop: no $BASE/pids"
+    stop_network
     remove_hosts
     return 0
   }
@@ -508,6 +594,7 @@ cmd_down() {
   # in reverse start order: the slurmds, slurmctld, slurmdbd, mariadbd, munged
   stop_slurm || failed=1
   for d in slurmdbd mariadbd munged; do halt "$d" "$d" || failed=1; done
+  stop_network || failed=1
   remove_hosts
   ((!failed)) || die "some daemons would not stop (see above)"
   say "down"
@@ -525,6 +612,14 @@ cmd_status() {
       all=1
     fi
   done < <(daemons)
+  for d in $(node_names); do
+    if [ -e "/run/netns/$(netns_of "$d")" ]; then
+      printf '%-12s %s\n' "$d" "$(in_node "$d" ip -br addr show eth0 2>/dev/null | awk '{ $1 = $2 = ""; print }')"
+    else
+      printf '%-12s no network namespace\n' "$d"
+      all=1
+    fi
+  done
   if command -v sinfo >/dev/null && scontrol ping >/dev/null 2>&1; then
     sinfo -N -p "$PART" -o '%N %P %t %c %m'
     squeue -p "$PART" 2>/dev/null || true

@@ -11,13 +11,19 @@ whatever else it listens on), then each role's workers in order::
 
 A scheduler hands each worker its role's first slot and the world size in the environment
 (``HPCRL_PORT_SLOT_BASE``, ``HPCRL_PORT_WORLD``); the worker adds its rank (``worker_ports``).
+
+A torchrun role that spans nodes on Slurm has its c10d rendezvous on the first node of its step, with a
+port chosen there (``launch/slurm/rendezvous.py``); ``rendezvous=("trainer",)`` gives it a slot of its
+own after every worker's, so that port never races a worker's on that node::
+
+    PortSlots({"server": 2, "trainer": 4}, rendezvous=("trainer",))    # slot 7: the trainers' rendezvous
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from hpcrl.net import PortAllocator
 
@@ -32,9 +38,10 @@ CONTROLLER_SLOT = 0
 class PortSlots:
     """The port slot of every listener of a run: the controller, then each role's workers in ``counts`` order."""
 
-    def __init__(self, counts: Mapping[str, int]):
+    def __init__(self, counts: Mapping[str, int], rendezvous: Sequence[str] = ()):
         self.counts = dict(counts)  # role -> workers of that role
         self._bases: dict[str, int] = {}
+        self._rendezvous: dict[str, int] = {}  # torchrun role -> the slot of its rendezvous port
         next_slot = CONTROLLER_SLOT + 1
         for role, count in self.counts.items():
             if not isinstance(role, str) or not role:
@@ -43,6 +50,10 @@ class PortSlots:
                 raise ValueError(f"PortSlots: {role} needs an integer count of workers >= 1, got {count!r}")
             self._bases[role] = next_slot
             next_slot += count
+        for role in rendezvous:
+            self.base(role)  # an unknown role is an error here too
+            self._rendezvous[role] = next_slot
+            next_slot += 1
         self._world = next_slot
 
     @property
@@ -63,6 +74,15 @@ class PortSlots:
             )
         return self._bases[role]
 
+    def rendezvous(self, role: str) -> int:
+        """The slot of ``role``'s torchrun rendezvous port, chosen on the first node of its step."""
+        if role not in self._rendezvous:
+            raise ValueError(
+                f"no rendezvous slot for role {role!r}: a torchrun role on Slurm needs one; build the run's "
+                f"PortSlots with rendezvous=({role!r},)"
+            )
+        return self._rendezvous[role]
+
     def slot(self, role: str, rank: int) -> int:
         count = self.counts.get(role, 0)
         if not 0 <= rank < count:
@@ -79,7 +99,8 @@ class PortSlots:
         return PortAllocator(port_range, rank=slot, world_size=self.world)
 
     def __repr__(self) -> str:
-        return f"PortSlots({self.counts}, world={self.world})"
+        rendezvous = f", rendezvous={tuple(self._rendezvous)}" if self._rendezvous else ""
+        return f"PortSlots({self.counts}{rendezvous}, world={self.world})"
 
 
 def worker_ports(

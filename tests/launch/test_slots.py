@@ -59,3 +59,14 @@ def test_bad_roles_and_ranks_are_refused():
     with pytest.raises(ValueError, match="count of workers >= 1, got 0"):
         PortSlots({"server": 0})
     assert PortSlots({}).world == 1  # the controller alone
+
+
+def test_a_torchrun_role_s_rendezvous_has_a_slot_after_every_worker_s():
+    slots = PortSlots({"server": 2, "trainer": 4}, rendezvous=("trainer",))
+    assert (slots.base("trainer"), slots.rendezvous("trainer"), slots.world) == (3, 7, 8)
+    low, high = slots.allocator(slots.rendezvous("trainer"), (20000, 20800)).slice
+    assert (low, high) == (20700, 20800)
+    with pytest.raises(ValueError, match=r"no rendezvous slot for role 'server'.*rendezvous=\('server',\)"):
+        slots.rendezvous("server")
+    with pytest.raises(ValueError, match="no port slots for role 'critic'"):
+        PortSlots({"trainer": 1}, rendezvous=("critic",))

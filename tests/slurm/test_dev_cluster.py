@@ -1,9 +1,10 @@
-"""The test Slurm (slurm/dev-cluster.sh) does what hpcrl's Slurm tests rely on: nodes, batch jobs, accounting,
-heterogeneous jobs, submitit, cancellation."""
+"""The test Slurm (slurm/dev-cluster.sh) does what hpcrl's Slurm tests rely on: nodes that are hosts of their
+own on the network, batch jobs, accounting, heterogeneous jobs, submitit, cancellation."""
 
 import os
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -13,7 +14,7 @@ from tests.slurm.conftest import sacct, sbatch, wait_for_job, wait_for_state
 pytestmark = pytest.mark.slurm
 
 
-def test_sinfo_shows_two_idle_nodes(slurm_cluster):
+def test_sinfo_shows_idle_nodes_whose_names_resolve(slurm_cluster):
     result = subprocess.run(
         ["sinfo", "-h", "-N", "-p", slurm_cluster.partition, "-o", "%N %t"],
         capture_output=True,
@@ -99,3 +100,71 @@ def test_cancelled_job_is_cancelled_in_sacct(slurm_cluster, job_prefix, tmp_path
     rows = wait_for_job(job_id, timeout_s=30)
     assert rows[job_id]["State"].split()[0] == "CANCELLED", rows
     assert sacct(job_id)[job_id]["State"].startswith("CANCELLED")
+
+
+def _srun(node: str, code: str, job_name: str, **kwargs) -> subprocess.Popen:
+    """``python3 -c CODE`` as a one-task step on NODE (its stdout to a pipe)."""
+    argv = ["srun", f"--job-name={job_name}", "-w", node, "-N1", "-n1", "--time=2", sys.executable, "-c", code]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def _output(proc: subprocess.Popen, timeout_s: float = 60) -> str:
+    out, err = proc.communicate(timeout=timeout_s)
+    assert proc.returncode == 0, err
+    return out.strip()
+
+
+def test_every_node_is_a_host_of_its_own(slurm_cluster, job_prefix):
+    """Its own host name, its own addresses only (IPv4 and IPv6), and names that resolve to them everywhere."""
+    show = (
+        "import socket, psutil\n"
+        "mine = sorted(a.address for ifs in psutil.net_if_addrs().values() for a in ifs"
+        " if a.family in (socket.AF_INET, socket.AF_INET6) and not a.address.startswith(('127.', '::1', 'fe80')))\n"
+        "print(socket.gethostname(), socket.gethostbyname(socket.gethostname()), ' '.join(mine))"
+    )
+    seen = {}
+    for node in slurm_cluster.nodes:
+        name, resolved, *addresses = _output(_srun(node, show, f"{job_prefix}whoami")).split()
+        assert name == node and resolved == socket.gethostbyname(node), (node, name, resolved)
+        assert len(addresses) == 2 and resolved in addresses, addresses  # one IPv4, one IPv6, nothing of the host's
+        seen[node] = addresses
+    assert len({a for addresses in seen.values() for a in addresses}) == 2 * len(seen), seen
+
+
+def test_loopback_is_per_node_and_nodes_reach_each_other_by_name_and_ipv6(slurm_cluster, job_prefix):
+    first, second = slurm_cluster.nodes[:2]
+    port = 24555
+    serve = (
+        "import socket, time\n"
+        f"lo = socket.create_server(('127.0.0.1', {port}))\n"
+        f"anywhere = socket.create_server(('::', {port + 1}), family=socket.AF_INET6, dualstack_ipv6=True)\n"
+        "print('ready', flush=True)\n"
+        "for s in (lo, anywhere, anywhere):\n"
+        "    s.settimeout(60)\n"
+        "    try:\n"
+        "        s.accept()[0].close()\n"
+        "    except TimeoutError:\n"
+        "        pass\n"
+    )
+    server = _srun(first, serve, f"{job_prefix}serve")
+    try:
+        assert server.stdout.readline().strip() == "ready", server.stderr.read()
+        first_v6 = _output(_srun(first, "import psutil,socket; print([a.address for a in psutil.net_if_addrs()"
+                                 "['eth0'] if a.family == socket.AF_INET6 and a.address.startswith('fd')][0])",
+                                 f"{job_prefix}v6"))  # fmt: skip
+        probe = (
+            "import socket\n"
+            "def dial(host, port):\n"
+            "    try:\n"
+            "        socket.create_connection((host, port), timeout=5).close()\n"
+            "        return 'ok'\n"
+            "    except OSError as e:\n"
+            "        return type(e).__name__\n"
+            f"print(dial('127.0.0.1', {port}), dial('{first}', {port + 1}), dial('{first_v6}', {port + 1}))"
+        )
+        # from the second node, 127.0.0.1 is its own loopback, where nothing listens
+        assert _output(_srun(second, probe, f"{job_prefix}probe")).split() == ["ConnectionRefusedError", "ok", "ok"]
+        assert _output(_srun(first, probe, f"{job_prefix}lo")).split() == ["ok", "ok", "ok"]  # its own loopback
+    finally:
+        server.kill()
+        server.wait()

@@ -19,6 +19,7 @@ from hpcrl.launch.registry import Entry
 from hpcrl.launch.slots import PortSlots
 from hpcrl.launch.slurm import SlurmScheduler
 from hpcrl.launch.slurm.task import expand_hostlist
+from hpcrl.net import is_port_free
 from hpcrl.rundir import RunDir
 from tests.slurm.conftest import sacct, sbatch, wait_for_state
 
@@ -127,7 +128,7 @@ def cancelled(rows) -> bool:
 def test_a_plain_role_and_a_torchrun_role_register_and_their_jobs_end_with_the_scheduler(
     slurm_cluster, job_prefix, run_dir, mode
 ):
-    slots = PortSlots({"plain": 2, "ranks": 2})
+    slots = PortSlots({"plain": 2, "ranks": 2}, rendezvous=("ranks",))
     with scheduler(run_dir, slots, slurm_cluster, job_prefix, mode) as s:
         workers, trainers = s.start_all([plain(), ranks()])
         plain_entries, rank_entries = workers.wait_ready(), trainers.wait_ready()
@@ -163,7 +164,7 @@ def test_a_plain_role_and_a_torchrun_role_register_and_their_jobs_end_with_the_s
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_worker_that_exits_at_start_fails_wait_ready_naming_the_job(slurm_cluster, job_prefix, run_dir, mode):
-    slots = PortSlots({"ranks": 1, "plain": 2})
+    slots = PortSlots({"ranks": 1, "plain": 2}, rendezvous=("ranks",))
     bad = plain(RANK_WORKER_EXIT="7", RANK_WORKER_EXIT_RANK="1")
     with scheduler(run_dir, slots, slurm_cluster, job_prefix, mode) as s:
         # in a hetjob the failing role is component 1, beside a healthy one
@@ -185,7 +186,7 @@ def test_a_worker_that_exits_at_start_fails_wait_ready_naming_the_job(slurm_clus
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_job_cancelled_mid_run_fails_check_alive(slurm_cluster, job_prefix, run_dir, mode):
-    slots = PortSlots({"plain": 1, "ranks": 1})
+    slots = PortSlots({"plain": 1, "ranks": 1}, rendezvous=("ranks",))
     with scheduler(run_dir, slots, slurm_cluster, job_prefix, mode) as s:
         groups = s.start_all([plain(1), ranks(1)])
         for group in groups:
@@ -202,7 +203,7 @@ def test_a_job_cancelled_mid_run_fails_check_alive(slurm_cluster, job_prefix, ru
 
 @pytest.mark.parametrize("mode", MODES)
 def test_stop_cancels_the_group_s_job_by_id(slurm_cluster, job_prefix, run_dir, mode):
-    slots = PortSlots({"plain": 1, "ranks": 1})
+    slots = PortSlots({"plain": 1, "ranks": 1}, rendezvous=("ranks",))
     with scheduler(run_dir, slots, slurm_cluster, job_prefix, mode) as s:
         first, second = s.start_all([plain(1), ranks(1, RANK_WORKER_NEVER_READY="1")])
         first.wait_ready()
@@ -221,7 +222,7 @@ def test_stop_cancels_the_group_s_job_by_id(slurm_cluster, job_prefix, run_dir, 
 
 
 def test_a_torchrun_role_spans_two_nodes(slurm_cluster, job_prefix, run_dir):
-    slots = PortSlots({"ranks": 2})
+    slots = PortSlots({"ranks": 2}, rendezvous=("ranks",))
     with scheduler(run_dir, slots, slurm_cluster, job_prefix, "per_role") as s:
         group = s.start(RoleSpec("ranks", WORKER, workers=2, nodes=2, torchrun=True, setup_timeout_s=60))
         entries = group.wait_ready()  # one torchrun per node met at the rendezvous on the first node
@@ -232,8 +233,35 @@ def test_a_torchrun_role_spans_two_nodes(slurm_cluster, job_prefix, run_dir):
         assert len(expand_hostlist(rows[job_id]["NodeList"])) == 2, rows
 
 
+def test_the_rendezvous_port_is_chosen_on_the_first_node_not_on_the_controller_s(slurm_cluster, job_prefix, run_dir):
+    """The slice's first port is free here but taken on every node: a port probed on the controller's host
+    would be that one, and torchrun could not host its store there."""
+    slots = PortSlots({"ranks": 2}, rendezvous=("ranks",))
+    taken = slots.allocator(slots.rendezvous("ranks")).slice[0]
+    assert is_port_free(taken), f"port {taken} must be free on this host for the test to mean anything"
+    nodes = len(slurm_cluster.nodes)
+    hold = f"import socket, time; s = socket.socket(); s.bind(('0.0.0.0', {taken})); s.listen(); time.sleep(300)"
+    blocker = sbatch(
+        f'#!/bin/bash\nsrun python3 -c "{hold}"\n',
+        name=f"{job_prefix}blocker",
+        workdir=run_dir.path,
+        args=(f"--nodes={nodes}", "--ntasks-per-node=1", "--cpus-per-task=1"),
+    )
+    try:
+        wait_for_state(blocker, "RUNNING")
+        with scheduler(run_dir, slots, slurm_cluster, job_prefix, "per_role") as s:
+            group = s.start(RoleSpec("ranks", WORKER, workers=2, nodes=2, torchrun=True, setup_timeout_s=60))
+            entries = group.wait_ready()
+            assert [(e.extra["RANK"], e.extra["WORLD_SIZE"]) for e in entries] == [("0", "2"), ("1", "2")]
+            published = json.loads((run_dir.registry / "ranks.rendezvous.json").read_text())
+            assert published["port"] != taken and published["host"] in slurm_cluster.nodes, published
+            assert {e.node for e in entries} <= set(slurm_cluster.nodes) and len({e.node for e in entries}) == 2
+    finally:
+        subprocess.run(["scancel", blocker], check=False, timeout=30)
+
+
 def test_an_exception_in_the_block_cancels_every_job(slurm_cluster, job_prefix, run_dir):
-    slots = PortSlots({"plain": 1, "ranks": 1})
+    slots = PortSlots({"plain": 1, "ranks": 1}, rendezvous=("ranks",))
     s = scheduler(run_dir, slots, slurm_cluster, job_prefix, "per_role")
     with pytest.raises(RuntimeError, match="boom"), s:
         s.start(plain(1))

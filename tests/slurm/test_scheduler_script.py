@@ -1,12 +1,15 @@
 """What the Slurm scheduler asks for, without a Slurm: the heterogeneous job's batch script (a golden file),
-the resources of a role, sbatch options, host lists and the torchrun command of a task.
+the resources of a role, sbatch options, host lists, the torchrun command of a task and its rendezvous port.
 
 Regenerate the golden file after an intended change with ``HPCRL_UPDATE_GOLDEN=1 pytest tests/slurm``.
 """
 
+import json
 import os
 import shlex
+import socket
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ from hpcrl.config.schema import ClusterConfig, RoleResources
 from hpcrl.launch.base import RoleSpec
 from hpcrl.launch.slots import PortSlots
 from hpcrl.launch.slurm import HetComponent, SlurmScheduler, WorkerTask, render_hetjob_script, role_resources
+from hpcrl.launch.slurm.rendezvous import RendezvousPlan, rendezvous_port, step_key
 from hpcrl.launch.slurm.resources import parse_extra_sbatch, submitit_parameters
 from hpcrl.launch.slurm.task import expand_hostlist, torchrun_argv
 from hpcrl.rundir import RunDir
@@ -158,21 +162,53 @@ def test_hostlists_expand(hostlist, hosts):
     assert expand_hostlist(hostlist) == hosts
 
 
-def test_torchrun_rendezvous_is_hosted_by_the_first_node_of_the_step(tmp_path):
-    task = WorkerTask("trainer", ["python", "w.py"], {}, tmp_path, workers=4, nodes=2, torchrun=True, rdzv_port=29400)
-    env = {"SLURM_STEP_NODELIST": "n[1-2]", "SLURM_JOB_ID": "42"}
-    first, second = (torchrun_argv(task, {**env, "SLURMD_NODENAME": node}) for node in ("n1", "n2"))
+def _plan(tmp_path, timeout_s=30.0, port_range=(24000, 24400)) -> RendezvousPlan:
+    return RendezvousPlan(
+        slot=3, world=4, port_range=port_range, file=tmp_path / "t.rendezvous.json", timeout_s=timeout_s
+    )
+
+
+def test_torchrun_rendezvous_is_hosted_by_the_first_node_of_the_step_at_a_port_chosen_there(tmp_path):
+    task = WorkerTask(
+        "trainer", ["python", "w.py"], {}, tmp_path, workers=4, nodes=2, torchrun=True, rendezvous=_plan(tmp_path)
+    )
+    env = {"SLURM_STEP_NODELIST": "n[1-2]", "SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0"}
+    first = torchrun_argv(task, {**env, "SLURMD_NODENAME": "n1"})  # publishes the port it picked
+    second = torchrun_argv(task, {**env, "SLURMD_NODENAME": "n2"})  # reads it
+    port = json.loads(task.rendezvous.file.read_text())["port"]
+    assert 24300 <= port < 24400, "the port comes from the rendezvous slot's slice (slot 3 of 4)"
     assert "--nnodes=2" in first and "--nproc-per-node=2" in first and "--rdzv-id=42-trainer" in first
-    assert "--rdzv-endpoint=n1:29400" in first and "--rdzv-endpoint=n1:29400" in second
+    assert f"--rdzv-endpoint=n1:{port}" in first and f"--rdzv-endpoint=n1:{port}" in second
     assert "--rdzv-conf=is_host=1" in first and "--rdzv-conf=is_host=0" in second
     assert first[-3:] == ["--", "python", "w.py"]
     with pytest.raises(RuntimeError, match="expected 2 nodes"):
         torchrun_argv(task, {**env, "SLURM_STEP_NODELIST": "n1", "SLURMD_NODENAME": "n1"})
 
 
+def test_the_first_node_skips_a_port_taken_on_it(tmp_path):
+    plan = _plan(tmp_path, port_range=(24000, 24008))  # slot 3 of 4: ports 24006, 24007
+    with socket.socket() as taken:
+        taken.bind(("", 24006))
+        taken.listen()
+        assert rendezvous_port(plan, "42.0.0", first_node=True) == 24007
+
+
+def test_other_nodes_wait_for_this_step_s_port_and_never_take_a_stale_one(tmp_path):
+    plan = _plan(tmp_path, timeout_s=0.6)
+    plan.file.write_text(json.dumps({"key": "41.0.0", "host": "n1", "port": 24301}))  # an earlier job's
+    with pytest.raises(TimeoutError, match=r"first node of step 42\.0\.0 did not publish"):
+        rendezvous_port(plan, "42.0.0", first_node=False)
+    later = threading.Timer(0.3, lambda: rendezvous_port(plan, "42.1.0", first_node=True))
+    later.start()
+    port = rendezvous_port(_plan(tmp_path, timeout_s=10), "42.1.0", first_node=False)
+    later.join()
+    assert port == json.loads(plan.file.read_text())["port"]
+    assert step_key({"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "1", "SLURM_RESTART_COUNT": "2"}) == "42.1.2"
+
+
 def test_a_dry_run_renders_the_hetjob_without_submitting_anything(tmp_path):
     run_dir = RunDir.create(tmp_path, "exp", "trial")
-    scheduler = SlurmScheduler(run_dir, PortSlots({"server": 4, "trainer": 16}), CLUSTER)
+    scheduler = SlurmScheduler(run_dir, PortSlots({"server": 4, "trainer": 16}, rendezvous=("trainer",)), CLUSTER)
     script = scheduler.hetjob_script([SERVER, TRAINER])
     assert script.count("#SBATCH hetjob") == 1 and "--het-group=1" in script
     assert str(run_dir.path / "slurm" / "<uid>_trainer_task.pkl") in script

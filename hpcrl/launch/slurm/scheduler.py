@@ -42,6 +42,7 @@ from hpcrl.launch.registry import Registry
 from hpcrl.launch.slots import PortSlots
 from hpcrl.launch.slurm.group import SlurmWorkerGroup
 from hpcrl.launch.slurm.hetjob import HetComponent, render_hetjob_script, step_script, submit_script
+from hpcrl.launch.slurm.rendezvous import RendezvousPlan
 from hpcrl.launch.slurm.resources import role_resources, role_settings, submitit_parameters
 from hpcrl.launch.slurm.steps import StepWorkerGroup, check_het_allocation
 from hpcrl.launch.slurm.task import WorkerTask
@@ -56,9 +57,9 @@ SUBMIT_MODES = ("hetjob", "per_role", "steps")
 class SlurmScheduler(Scheduler):
     """Submits worker groups as Slurm jobs; ``with`` scancels every one of them (by id) on exit.
 
-    ``slots`` numbers every listener of the run (``PortSlots``); ``net_port_range`` is the range they
-    share (None: the default), from which the controller's slot also gives each torchrun role its
-    rendezvous port. ``job_prefix`` starts every job name (``<prefix><role>``); ``cache_s`` is how
+    ``slots`` numbers every listener of the run (``PortSlots``, with a rendezvous slot for each torchrun
+    role, whose port is chosen on the role's first node: ``rendezvous.py``); ``net_port_range`` is the
+    range they share (None: the default). ``job_prefix`` starts every job name (``<prefix><role>``); ``cache_s`` is how
     old a job state may be; ``stop_timeout_s`` how long a stop waits for squeue to drop a job.
     """
 
@@ -79,8 +80,7 @@ class SlurmScheduler(Scheduler):
         self.slots = slots
         self.cluster = cluster
         self.registry = Registry(run_dir.registry)
-        # the controller's own ports (torchrun rendezvous), as under LocalScheduler
-        self.ports = slots.allocator(slots.controller, net_port_range)
+        self.net_port_range = net_port_range
         self.folder = run_dir.path / "slurm"  # submitit's folder: batch scripts, task pickles, job output
         self.job_prefix = job_prefix
         self.stop_timeout_s = stop_timeout_s
@@ -234,7 +234,17 @@ class SlurmScheduler(Scheduler):
             nodes=spec.nodes,
             gpus_per_worker=spec.gpus_per_worker,
             torchrun=spec.torchrun,
-            rdzv_port=self.ports.allocate(1)[0] if spec.torchrun else 0,
+            rendezvous=self._rendezvous(spec) if spec.torchrun else None,
+        )
+
+    def _rendezvous(self, spec: RoleSpec) -> RendezvousPlan:
+        """A torchrun role's rendezvous: its port is chosen on the first node of its step, from its own slot."""
+        return RendezvousPlan(
+            slot=self.slots.rendezvous(spec.role),
+            world=self.slots.world,
+            port_range=self.net_port_range,
+            file=self.registry.directory / f"{spec.role}.rendezvous.json",
+            timeout_s=spec.setup_timeout_s,
         )
 
     def _group(self, spec: RoleSpec, job: JobRef, srun: Child | None = None) -> SlurmWorkerGroup:

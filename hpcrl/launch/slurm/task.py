@@ -7,7 +7,8 @@ Slurm signals and watches the worker itself:
     plain role:    task i of the step  -> HPCRL_RANK=i (SLURM_PROCID), output to logs/<role>-<i>.log,
                                           GPUs: its own slice of the node's CUDA_VISIBLE_DEVICES
     torchrun role: one task per node   -> torchrun --nnodes=N --nproc-per-node=W/N, c10d rendezvous on the
-                                          first node of the step; ranks start through
+                                          first node of the step, at a port chosen there (rendezvous.py);
+                                          ranks start through
                                           ``python -m hpcrl.launch.local --rank-log`` (logs/<role>-<rank>.log)
                                           and torchrun's own output stays in the job's output files
 
@@ -34,6 +35,7 @@ from typing import NoReturn
 
 from hpcrl.launch.local import torchrun_command
 from hpcrl.launch.slots import RANK_ENV
+from hpcrl.launch.slurm.rendezvous import RendezvousPlan, rendezvous_port, step_key
 from hpcrl.net import format_hostport
 
 GPU_ENV = "CUDA_VISIBLE_DEVICES"
@@ -51,7 +53,7 @@ class WorkerTask:
     nodes: int  # nodes of the role
     gpus_per_worker: int = 0  # GPUs each worker owns
     torchrun: bool = False  # one torchrun per node, instead of one task per worker
-    rdzv_port: int = 0  # torchrun: the c10d rendezvous port on the first node of the step
+    rendezvous: RendezvousPlan | None = None  # torchrun: where its c10d rendezvous port comes from
     cwd: str = field(default_factory=os.getcwd)  # where the worker starts (the controller's directory)
 
     def __call__(self) -> None:
@@ -86,20 +88,24 @@ def exec_worker(task: WorkerTask, environ: dict[str, str] | os._Environ) -> NoRe
 
 
 def torchrun_argv(task: WorkerTask, environ: dict[str, str] | os._Environ) -> list[str]:
-    """torchrun for this node: N nodes, W/N ranks each, rendezvous on the first node of the step."""
+    """torchrun for this node: N nodes, W/N ranks each, rendezvous on the first node of the step at a port
+    chosen there."""
     hosts = expand_hostlist(environ.get("SLURM_STEP_NODELIST") or _need(environ, "SLURM_JOB_NODELIST"))
     if len(hosts) != task.nodes:
         raise RuntimeError(f"{task.role}: the step runs on {hosts}, expected {task.nodes} nodes")
+    if task.rendezvous is None:
+        raise RuntimeError(f"{task.role}: a torchrun WorkerTask needs its RendezvousPlan")
     is_host = int(_need(environ, "SLURMD_NODENAME") == hosts[0])
+    port = rendezvous_port(task.rendezvous, step_key(environ), first_node=bool(is_host))
     rank_log = str(task.logs / f"{task.role}-{{rank}}.log")
     return torchrun_command(
         task.argv,
         task.workers // task.nodes,
-        format_hostport(hosts[0], task.rdzv_port),
+        format_hostport(hosts[0], port),
         rank_log,
         rdzv_id=f"{_need(environ, 'SLURM_JOB_ID')}-{task.role}",
         nnodes=task.nodes,
-        # every node of the test Slurm is this host: name the store's host instead of guessing it by address
+        # say which node hosts the store rather than let torchrun guess it by comparing addresses
         extra=[f"--rdzv-conf=is_host={is_host}"],
     )
 

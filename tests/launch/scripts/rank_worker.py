@@ -16,6 +16,7 @@ from pathlib import Path
 
 from hpcrl.launch.registry import Entry, Registry
 from hpcrl.launch.slots import worker_ports
+from hpcrl.net import discover_host
 
 rank = int(os.environ["HPCRL_RANK"])
 print(f"rank {rank} starting (pid {os.getpid()})", flush=True)
@@ -30,10 +31,10 @@ if os.environ.get("RANK_WORKER_GRANDCHILD"):
 
 port = worker_ports().allocate(1)[0]
 listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-listener.bind(("127.0.0.1", port))
+listener.bind(("0.0.0.0", port))  # every interface; it advertises this node's own address, as workers do
 listener.listen(16)
 if not os.environ.get("RANK_WORKER_NEVER_READY"):
     registry = Registry(Path(os.environ["HPCRL_RUN_DIR"]) / "registry")
-    registry.register(Entry(os.environ["HPCRL_ROLE"], rank, "127.0.0.1", port, extra=extra))
+    registry.register(Entry(os.environ["HPCRL_ROLE"], rank, discover_host("ipv4"), port, extra=extra))
 print(f"rank {rank} listening on {port}", flush=True)
 time.sleep(120)

@@ -21,7 +21,7 @@ root, partition, job_prefix = sys.argv[1:]
 run_dir = RunDir.create(root, "exp", "trial")
 worker = [sys.executable, str(Path(__file__).resolve().parents[2] / "launch" / "scripts" / "rank_worker.py")]
 cluster = ClusterConfig(kind="slurm", partition=partition, time_min=5, submit_mode="per_role")
-slots = PortSlots({"plain": 1, "ranks": 1})
+slots = PortSlots({"plain": 1, "ranks": 1}, rendezvous=("ranks",))
 with SlurmScheduler(run_dir, slots, cluster, job_prefix=job_prefix, cache_s=1.0, stop_timeout_s=30) as scheduler:
     plain = scheduler.start(RoleSpec("plain", worker, workers=1, setup_timeout_s=60))
     ranks = scheduler.start(RoleSpec("ranks", worker, workers=1, torchrun=True, setup_timeout_s=60))
