@@ -54,7 +54,7 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
     token = read_token(run_dir.path) if (run_dir.path / "secret").exists() else create_token(run_dir.path)
     alloc = cfg.allocation
     counts = {"server": alloc.server.workers, "trainer": alloc.trainer.workers, "rollout": cfg.rollout.workers}
-    slots = PortSlots({role: n for role, n in counts.items() if n})
+    slots = PortSlots({role: n for role, n in counts.items() if n}, rendezvous=("trainer",))
     with (
         make_scheduler(cfg, run_dir, slots) as scheduler,
         RewardPool(cfg.reward.fn, cfg.reward.workers, cfg.reward.timeout_s) as rewards,
