@@ -154,15 +154,58 @@ def _fewest_nodes(workers: int, gpus: int, gpus_per_node: int) -> int:
     return math.ceil(workers / max(1, gpus_per_node // gpus))
 
 
+# Where the KL term to the reference goes, and the one estimator whose expected gradient there is the gradient
+# of KL(pi || ref) (Tang & Munos 2025, "On a few pitfalls in KL divergence gradient estimation for RL",
+# arXiv:2506.09477; tests/train/test_algorithms.py checks it by exact enumeration):
+# - loss: d/dlogpi of k2 = log(pi/ref)^2 / 2 is log(pi/ref), so E_pi[grad k2] = E_pi[log(pi/ref) grad log pi], the
+#   gradient of each token's KL(pi(.|prefix) || ref(.|prefix)) at the prefixes sampled
+# - reward: -coef * k1 per token, summed from each token to the end (its return), so the policy gradient adds
+#   coef * E[log(pi/ref) grad log pi] over the sequence: the gradient of the sequence's KL (PPO for RLHF)
+KL_COMBINATIONS = {"loss": "k2", "reward": "k1"}
+_KL_REFUSED = {
+    ("loss", "k1"): "in the loss k1 = log(pi/ref) has an expected gradient of exactly 0 over samples of pi "
+    "(E_pi[grad log pi] = 0): it regularises nothing",
+    ("loss", "k3"): "in the loss k3 = ref/pi - log(ref/pi) - 1 has the expected gradient of KL(ref || pi), the "
+    "other direction, not of KL(pi || ref) (Tang & Munos 2025, arXiv:2506.09477)",
+    ("reward", "k2"): "as a reward penalty only k1 makes the policy gradient E[penalty * grad log pi] that of "
+    "KL(pi || ref)",
+    ("reward", "k3"): "as a reward penalty only k1 makes the policy gradient E[penalty * grad log pi] that of "
+    "KL(pi || ref)",
+}
+
+
+def kl_combination_problem(place: str, estimator: str) -> str | None:
+    """Why ``algorithm.kl.place`` and ``algorithm.kl.estimator`` together do not give the gradient of KL(pi || ref),
+    and what to set instead; None when they do (or the place is unknown, which ``one_of`` reports)."""
+    if place not in KL_COMBINATIONS or KL_COMBINATIONS[place] == estimator:
+        return None
+    why = _KL_REFUSED.get((place, estimator), f"{estimator!r} is no estimator")
+    other = next(p for p in KL_COMBINATIONS if p != place)
+    return (
+        f"{KL_COMBINATIONS[place]} with algorithm.kl.place={place} ({why}), "
+        f"or algorithm.kl.place={other} with {KL_COMBINATIONS[other]}"
+    )
+
+
+def check_kl(a: AlgorithmConfig) -> None:
+    for old, new in (("kl_coef", "algorithm.kl.coef"), ("kl_estimator", "algorithm.kl.estimator")):
+        value = getattr(a, old)
+        require(value is None, f"algorithm.{old}", value, f"unset: it was renamed, set {new} instead")
+    one_of("algorithm.kl.place", a.kl.place, tuple(KL_COMBINATIONS))
+    one_of("algorithm.kl.estimator", a.kl.estimator, ("k1", "k2", "k3"))
+    problem = kl_combination_problem(a.kl.place, a.kl.estimator)
+    require(problem is None, "algorithm.kl.estimator", a.kl.estimator, str(problem))
+    require(a.kl.coef >= 0, "algorithm.kl.coef", a.kl.coef, "a number >= 0 (0 = no KL term)")
+
+
 def check_algorithm(a: AlgorithmConfig) -> None:
     one_of("algorithm.advantage", a.advantage, ("group_norm", "group_center", "batch_norm"))
     one_of("algorithm.loss_agg", a.loss_agg, ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"))
-    one_of("algorithm.kl_estimator", a.kl_estimator, ("k1", "k3"))
+    check_kl(a)
     grouped = a.advantage != "batch_norm"
     require(a.group_size >= (2 if grouped else 1), "algorithm.group_size", a.group_size, "an integer >= 2 for groups")
     require(0 <= a.clip_low < 1, "algorithm.clip_low", a.clip_low, "a number in [0, 1)")
     require(a.clip_high >= 0, "algorithm.clip_high", a.clip_high, "a number >= 0")
-    require(a.kl_coef >= 0, "algorithm.kl_coef", a.kl_coef, "a number >= 0")
     cap = a.behavior_weight_cap
     require(cap == 0 or cap >= 1, "algorithm.behavior_weight_cap", cap, "0 (off) or a cap >= 1")
     require(a.std_eps > 0, "algorithm.std_eps", a.std_eps, "a number > 0")

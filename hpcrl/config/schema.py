@@ -114,6 +114,14 @@ class ClusterConfig:
 
 
 @dataclass
+class KLConfig:
+    # where the term goes and which estimator, checked together (checks.py, KL_COMBINATIONS): loss+k2 | reward+k1
+    coef: float = 0.0  # weight of KL(policy || reference), the frozen initial policy; 0 = off (no reference model)
+    place: str = "loss"  # loss: a per-token loss term | reward: a per-token penalty in the return (PPO for RLHF)
+    estimator: str = "k2"  # k1: log(pi/ref) | k2: log(pi/ref)^2 / 2 | k3: ref/pi - log(ref/pi) - 1
+
+
+@dataclass
 class AlgorithmConfig:
     name: str = "grpo"  # label in logs and metrics; behaviour comes from the fields below
     advantage: str = "group_norm"  # group_norm: (r-mean)/std in a group | group_center: r-mean | batch_norm
@@ -121,12 +129,13 @@ class AlgorithmConfig:
     group_size: int = 8  # samples per prompt
     clip_low: float = 0.2  # the ratio is clipped below at 1 - clip_low
     clip_high: float = 0.2  # the ratio is clipped above at 1 + clip_high (DAPO: clip-higher, 0.28)
-    kl_coef: float = 0.0  # weight of the KL penalty to the reference policy; 0 = no reference model
-    kl_estimator: str = "k3"  # k1: log ratio | k3: unbiased, always >= 0
+    kl: KLConfig = field(default_factory=KLConfig)  # the KL regulariser to the reference policy
+    kl_coef: float | None = None  # renamed algorithm.kl.coef; setting it is an error that says so
+    kl_estimator: str | None = None  # renamed algorithm.kl.estimator (and algorithm.kl.place); an error if set
     drop_equal_reward_groups: bool = False  # drop groups whose rewards are all equal (DAPO dynamic sampling)
     behavior_weight_cap: float = 0.0  # decoupled objective: cap on the behaviour importance weight; 0 = off
     std_eps: float = 1e-6  # added to the group's reward std before dividing
-    updates_per_batch: int = 2  # optimizer updates on each rollout batch (PPO epochs)
+    updates_per_batch: int = 2  # the batch is split in this many disjoint minibatches, one optimizer update each
 
 
 @dataclass

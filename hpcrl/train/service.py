@@ -36,7 +36,7 @@ from hpcrl.train.weight_push import join_weight_group, leave_weight_group, push_
 
 
 class TrainerService:
-    """The handlers of one rank. ``reference`` is the frozen initial policy, kept when ``algorithm.kl_coef > 0``."""
+    """The handlers of one rank. ``reference`` is the frozen initial policy, kept when ``algorithm.kl.coef > 0``."""
 
     def __init__(self, engine: Engine, cfg: Config, rank: int, reference: Engine | None = None):
         self.engine, self.rank, self.reference = engine, rank, reference

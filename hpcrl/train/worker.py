@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(cfg.model.path, cfg.train, cfg.model.dtype, info, total_steps=cfg.run.max_steps)
         engine.setup()
         reference = None
-        if cfg.algorithm.kl_coef > 0:  # the frozen initial policy of the KL penalty, sharded like the policy
+        if cfg.algorithm.kl.coef > 0:  # the frozen initial policy of the KL penalty, sharded like the policy
             reference = Engine(cfg.model.path, cfg.train, cfg.model.dtype, info, total_steps=cfg.run.max_steps)
             reference.setup()
         advertised, bind = worker_addresses(cfg.cluster.net)

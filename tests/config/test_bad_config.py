@@ -56,6 +56,18 @@ CLI_CASES = [
         "inference.on_server_exit='restart' is invalid: expected drop or fail with cluster.submit_mode=hetjob",
     ),
     (["inference.max_restarts=-1"], "inference.max_restarts=-1 is invalid: expected an integer >= 0"),
+    (
+        ["algorithm.kl_coef=0.1"],
+        "algorithm.kl_coef=0.1 is invalid: expected unset: it was renamed, set algorithm.kl.coef instead",
+    ),
+    (
+        ["algorithm.kl.estimator=k3"],
+        "algorithm.kl.estimator='k3' is invalid: expected k2 with algorithm.kl.place=loss (in the loss k3",
+    ),
+    (
+        ["algorithm.kl.place=reward"],
+        "algorithm.kl.estimator='k2' is invalid: expected k1 with algorithm.kl.place=reward (as a reward penalty",
+    ),
 ]
 
 

@@ -75,7 +75,8 @@ def test_algorithms_differ_in_the_fields_that_define_them():
     assert (grpo.advantage, dr.advantage) == ("group_norm", "group_center")
     assert dr.loss_agg == "seq_mean_token_sum_norm" and dapo.loss_agg == "token_mean"
     assert dapo.clip_high > dapo.clip_low and dapo.drop_equal_reward_groups
-    assert ppo.kl_coef > 0 and grpo.kl_coef == 0
+    assert ppo.kl.coef > 0 and grpo.kl.coef == 0
+    assert (ppo.kl.place, ppo.kl.estimator) == ("reward", "k1")
 
 
 def test_slurm_cluster_defaults_give_servers_twenty_minutes():

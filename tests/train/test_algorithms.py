@@ -1,12 +1,15 @@
 """Advantage estimators, per-token loss terms and aggregation against hand-computed values and invariants."""
 
 import math
+import re
 from dataclasses import replace
 
 import pytest
 import torch
 
-from hpcrl.config.schema import AlgorithmConfig
+from hpcrl.config import ConfigError
+from hpcrl.config.checks import KL_COMBINATIONS, check_kl
+from hpcrl.config.schema import AlgorithmConfig, KLConfig
 from hpcrl.train.algorithms import (
     AGGREGATIONS,
     aggregate,
@@ -17,6 +20,7 @@ from hpcrl.train.algorithms import (
     kl_penalty,
     loss_normalizer,
     policy_loss,
+    reward_to_go,
 )
 from hpcrl.train.algorithms.advantages import batch_norm, group_center, group_norm
 
@@ -133,12 +137,13 @@ def test_clip_bounds_zero_the_gradient_on_the_right_side_only():
 
 
 def test_kl_estimators_hand_example():
-    # p = 0.5, p_ref = 0.25: k1 = log 2; k3 with d = log(0.25 / 0.5) = -log 2: exp(d) - d - 1 = 0.5 + log 2 - 1
+    # p = 0.5, p_ref = 0.25: k1 = log 2, k2 = (log 2)^2 / 2; k3 with d = log(0.25 / 0.5) = -log 2: exp(d) - d - 1
     logprobs, ref = torch.log(t([0.5])), torch.log(t([0.25]))
     close(kl_penalty(logprobs, ref, "k1"), [math.log(2)])
+    close(kl_penalty(logprobs, ref, "k2"), [math.log(2) ** 2 / 2])
     close(kl_penalty(logprobs, ref, "k3"), [math.log(2) - 0.5])
-    with pytest.raises(ValueError, match="k2"):
-        kl_penalty(logprobs, ref, "k2")
+    with pytest.raises(ValueError, match="k4"):
+        kl_penalty(logprobs, ref, "k4")
 
 
 def test_k3_is_never_negative():
@@ -154,6 +159,135 @@ def test_k1_and_k3_means_estimate_the_kl():
     for name in ("k1", "k3"):
         estimate = kl_penalty(p.log()[tokens], ref.log()[tokens], name).mean()
         close(estimate, exact, atol=5e-3)
+
+
+def test_reward_to_go_sums_each_token_and_those_after_it():
+    close(reward_to_go(t([[1, 2, 3], [0, 5, 0]])), [[6, 5, 3], [5, 5, 0]])
+
+
+# ---------------------------------------------------------------- the KL term's expected gradient, enumerated
+#
+# A policy over a vocabulary of V tokens, softmax(theta), and a fixed reference. The expected gradient of the
+# loss over samples y ~ pi is sum_y pi(y) * grad loss(y): pi(y) is a constant there (the sampler is not
+# differentiated), exactly as in training. Every allowed (place, estimator) must give kl.coef times autograd's
+# gradient of the true KL(pi || ref); the task's advantage is 0, so the KL term is all that is left.
+
+V, COEF = 5, 0.3
+
+
+def _policy(seed: int, *shape: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    theta = torch.randn(*shape, V, generator=g, dtype=F64).requires_grad_()
+    ref = torch.log_softmax(torch.randn(*shape, V, generator=g, dtype=F64) * 1.5, dim=-1)
+    return theta, ref
+
+
+def _kl_cfg(place: str, estimator: str) -> AlgorithmConfig:
+    return AlgorithmConfig(loss_agg="token_mean", kl=KLConfig(coef=COEF, place=place, estimator=estimator))
+
+
+def _token_loss(cfg: AlgorithmConfig, logprobs: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """policy_loss of one sequence of sampled tokens (on-policy: the behaviour logprobs are these), summed over
+    its tokens (a normaliser of 1)."""
+    lp = logprobs.reshape(1, -1)
+    loss, _ = policy_loss(
+        lp, lp.detach(), t([0.0]), torch.ones_like(lp), cfg, ref_logprobs=ref.reshape(1, -1), global_normalizer=1
+    )
+    return loss
+
+
+@pytest.mark.parametrize(("place", "estimator"), sorted(KL_COMBINATIONS.items()))
+def test_each_allowed_kl_term_has_the_gradient_of_the_true_kl_on_one_token(place, estimator):
+    theta, ref = _policy(0)
+    logp = torch.log_softmax(theta, dim=-1)
+    pi = logp.exp().detach()
+    expected = sum(pi[y] * _token_loss(_kl_cfg(place, estimator), logp[y], ref[y]) for y in range(V))
+    (got,) = torch.autograd.grad(expected, theta, retain_graph=True)
+    (true,) = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), theta)
+    assert true.abs().max() > 0.05, "a KL whose gradient is near 0 would prove nothing"
+    close(got, COEF * true, atol=1e-6)
+
+
+def _two_token_sequences(seed: int):
+    """Every sequence (y1, y2) of a two-step policy pi(y1) pi(y2 | y1), its probability and its logprobs."""
+    (theta1, ref1), (theta2, ref2) = _policy(seed), _policy(seed + 1, V)
+    lp1, lp2 = torch.log_softmax(theta1, -1), torch.log_softmax(theta2, -1)
+    seqs = [(a, b) for a in range(V) for b in range(V)]
+    prob = {s: (lp1[s[0]] + lp2[s[0], s[1]]).exp().detach() for s in seqs}
+    logprobs = {s: torch.stack([lp1[s[0]], lp2[s[0], s[1]]]) for s in seqs}
+    refs = {s: torch.stack([ref1[s[0]], ref2[s[0], s[1]]]) for s in seqs}
+    seq_kl = sum((lp1[a] + lp2[a, b]).exp() * (lp1[a] + lp2[a, b] - ref1[a] - ref2[a, b]) for a, b in seqs)
+    # each token's KL at the prefix sampled, the prefix's probability held constant
+    token_kls = (lp1.exp() * (lp1 - ref1)).sum() + sum(
+        lp1[a].exp().detach() * (lp2[a].exp() * (lp2[a] - ref2[a])).sum() for a in range(V)
+    )
+    return (theta1, theta2), seqs, prob, logprobs, refs, seq_kl, token_kls
+
+
+def _expected_grad(cfg, thetas, seqs, prob, logprobs, refs):
+    expected = sum(prob[s] * _token_loss(cfg, logprobs[s], refs[s]) for s in seqs)
+    return torch.cat([g.flatten() for g in torch.autograd.grad(expected, thetas, retain_graph=True)])
+
+
+def _grad(value, thetas):
+    return torch.cat([g.flatten() for g in torch.autograd.grad(value, thetas, retain_graph=True)])
+
+
+def test_kl_in_the_reward_has_the_gradient_of_the_sequences_kl():
+    thetas, seqs, prob, logprobs, refs, seq_kl, _ = _two_token_sequences(10)
+    got = _expected_grad(_kl_cfg("reward", "k1"), thetas, seqs, prob, logprobs, refs)
+    close(got, COEF * _grad(seq_kl, thetas), atol=1e-6)
+
+
+def test_kl_in_the_loss_has_the_gradient_of_each_tokens_kl_at_its_prefix():
+    # the per-token loss term misses how the first token changes the second's KL (Tang & Munos 2025, section 4):
+    # its expected gradient is that of each token's KL with the prefix distribution held, not the sequence's
+    thetas, seqs, prob, logprobs, refs, seq_kl, token_kls = _two_token_sequences(20)
+    got = _expected_grad(_kl_cfg("loss", "k2"), thetas, seqs, prob, logprobs, refs)
+    close(got, COEF * _grad(token_kls, thetas), atol=1e-6)
+    assert not torch.allclose(got, COEF * _grad(seq_kl, thetas), atol=1e-3), "the two targets differ here"
+
+
+@pytest.mark.parametrize(
+    ("place", "estimator", "why"),
+    [
+        ("loss", "k1", "expected gradient of exactly 0"),
+        ("loss", "k3", "the expected gradient of KL(ref || pi), the other direction"),
+        ("reward", "k2", "only k1 makes the policy gradient"),
+        ("reward", "k3", "only k1 makes the policy gradient"),
+    ],
+)
+def test_a_kl_term_without_the_kls_gradient_is_refused_saying_why(place, estimator, why):
+    cfg = _kl_cfg(place, estimator)
+    with pytest.raises(ConfigError, match=rf"algorithm\.kl\.estimator='{estimator}' is invalid: .*{re.escape(why)}"):
+        check_kl(cfg)
+    lp = torch.zeros(1, 2, dtype=F64)
+    with pytest.raises(ValueError, match=re.escape(why)):
+        policy_loss(lp, lp, t([1.0]), torch.ones_like(lp), cfg, ref_logprobs=lp)
+
+
+@pytest.mark.parametrize(
+    ("estimator", "target"),
+    [("k1", lambda logp, ref: 0.0 * logp.sum()), ("k3", lambda logp, ref: (ref.exp() * (ref - logp)).sum())],
+)
+def test_the_refused_loss_terms_have_the_gradient_the_refusal_names(estimator, target):
+    # what the refusal says, computed: k1 as a loss term moves nothing, k3 follows KL(ref || pi)
+    theta, ref = _policy(30)
+    logp = torch.log_softmax(theta, dim=-1)
+    pi = logp.exp().detach()
+    expected = sum(pi[y] * kl_penalty(logp[y], ref[y], estimator) for y in range(V))
+    (got,) = torch.autograd.grad(expected, theta, retain_graph=True)
+    (want,) = torch.autograd.grad(target(logp, ref), theta, retain_graph=True, materialize_grads=True)
+    close(got, want, atol=1e-9)
+    (true,) = torch.autograd.grad((logp.exp() * (logp - ref)).sum(), theta)
+    assert not torch.allclose(got, true, atol=1e-3)
+
+
+def test_the_old_kl_keys_are_refused_naming_the_new_ones():
+    with pytest.raises(ConfigError, match=r"algorithm\.kl_coef=0\.02 is invalid: .*set algorithm\.kl\.coef instead"):
+        check_kl(AlgorithmConfig(kl_coef=0.02))
+    with pytest.raises(ConfigError, match=r"algorithm\.kl_estimator='k1' .*set algorithm\.kl\.estimator instead"):
+        check_kl(AlgorithmConfig(kl_estimator="k1"))
 
 
 def test_behavior_weights_exclude_tokens_above_the_cap():
@@ -214,7 +348,7 @@ def _batch(seed: int, batch: int = 6, seq: int = 5) -> dict[str, torch.Tensor]:
     }
 
 
-FULL = AlgorithmConfig(kl_coef=0.1, behavior_weight_cap=2.0)  # every term on
+FULL = AlgorithmConfig(kl=KLConfig(coef=0.1), behavior_weight_cap=2.0)  # every term on
 
 
 def _loss_and_grad(batch, cfg, **kwargs):
@@ -227,25 +361,38 @@ def _loss_and_grad(batch, cfg, **kwargs):
     return loss.detach(), grad, metrics
 
 
-def test_policy_loss_hand_example_with_decoupled_weight_and_kl():
-    # token_mean over 3 tokens, A = 1, clip [0.8, 1.2], cap 3, kl_coef 0.5 with k1
-    # token   ratio vs prox   behaviour weight   surrogate                     k1 = lp - ref
-    #   0     1.0             exp(0) = 1         -1.0 * 1 = -1.0               0
-    #   1     1.5 -> clip 1.2 exp(log 2) = 2     -1.2 * 2 = -2.4               log 1.5
-    #   2     1.0             exp(log 4) = 4 > 3 excluded: 0                   0
-    # loss = (-1.0 - 2.4 + 0 + 0.5 * log 1.5) / 3
+def test_policy_loss_hand_example_with_decoupled_weight_and_kl_in_the_reward():
+    # token_mean over 3 tokens, A = 1, clip [0.8, 1.2], cap 3, kl.coef 0.5 in the reward with k1 = behaviour - ref
+    # k1 = 0 - log [1, 2, 4]; summed from each token to the end: -log 8, -log 8, -log 4
+    # advantage per token = 1 - 0.5 * that: 1 + 0.5 log 8, 1 + 0.5 log 8, 1 + 0.5 log 4
+    # token   ratio vs prox   behaviour weight   surrogate
+    #   0     1.0             exp(0) = 1         -1.0 * A0 * 1
+    #   1     1.5 -> clip 1.2 exp(log 2) = 2     -1.2 * A1 * 2 (A1 > 0: the clip binds)
+    #   2     1.0             exp(log 4) = 4 > 3 excluded: 0
     behavior = t([[0.0, 0.0, 0.0]])
     prox = torch.log(t([[1.0, 2.0, 4.0]]))
     logprobs = prox + torch.log(t([[1.0, 1.5, 1.0]]))
-    cfg = AlgorithmConfig(loss_agg="token_mean", kl_coef=0.5, kl_estimator="k1", behavior_weight_cap=3.0)
+    cfg = AlgorithmConfig(
+        loss_agg="token_mean", kl=KLConfig(coef=0.5, place="reward", estimator="k1"), behavior_weight_cap=3.0
+    )
     loss, metrics = policy_loss(
         logprobs, behavior, t([1.0]), torch.ones(1, 3), cfg, ref_logprobs=prox, prox_logprobs=prox
     )
-    close(loss, (-1.0 - 2.4 + 0.5 * math.log(1.5)) / 3)
+    a = 1 + 0.5 * math.log(8)
+    close(loss, (-a - 2.4 * a) / 3)
     close(metrics["clip_frac"], 1 / 3)
     close(metrics["behavior_weight_mean"], 1.5)  # mean over the kept tokens: (1 + 2) / 2
     close(metrics["behavior_excluded_frac"], 1 / 3)
-    close(metrics["kl"], math.log(1.5) / 3)
+    # the metric is k3 of the current policy: token 1 has d = log(2 / 3), k3 = 2/3 - log(2/3) - 1
+    close(metrics["kl"], (math.log(1.5) - 1 / 3) / 3)
+
+
+def test_kl_in_the_loss_adds_coef_times_k2_per_token():
+    # one token, A = 0, ratio 1: the loss is the KL term alone, 0.5 * (log 3 - log 2)^2 / 2
+    logprobs, ref = torch.log(t([[3.0]])), torch.log(t([[2.0]]))
+    cfg = AlgorithmConfig(loss_agg="token_mean", kl=KLConfig(coef=0.5, place="loss", estimator="k2"))
+    loss, _ = policy_loss(logprobs, logprobs, t([0.0]), torch.ones(1, 1), cfg, ref_logprobs=ref)
+    close(loss, 0.5 * math.log(1.5) ** 2 / 2)
 
 
 def test_behavior_cap_off_ignores_prox_and_uses_old_logprobs():
@@ -265,7 +412,7 @@ def test_behavior_cap_off_ignores_prox_and_uses_old_logprobs():
 
 def test_excluded_tokens_get_no_gradient_but_stay_in_the_normaliser():
     batch = _batch(1)
-    cfg = replace(FULL, kl_coef=0.0, loss_agg="token_mean")
+    cfg = replace(FULL, kl=KLConfig(), loss_agg="token_mean")
     weight, kept = behavior_weights(batch["prox_logprobs"], batch["old_logprobs"], cfg.behavior_weight_cap)
     excluded = ~kept & (batch["mask"] != 0)
     assert excluded.any() and (kept & (batch["mask"] != 0)).any()
@@ -285,16 +432,17 @@ def test_decoupled_needs_prox_and_kl_needs_ref():
         _loss_and_grad({**batch, "ref_logprobs": None}, FULL)
 
 
-@pytest.mark.parametrize(("field", "value"), [("loss_agg", "sum"), ("kl_estimator", "k2")])
-def test_policy_loss_rejects_unknown_names(field, value):
-    with pytest.raises(ValueError, match=rf"algorithm\.{field}.*{value}"):
-        _loss_and_grad(_batch(3), replace(FULL, **{field: value}))
+def test_policy_loss_rejects_unknown_names():
+    with pytest.raises(ValueError, match=r"algorithm\.loss_agg.*sum"):
+        _loss_and_grad(_batch(3), replace(FULL, loss_agg="sum"))
+    with pytest.raises(ValueError, match=r"algorithm\.kl\.estimator.*k4"):
+        _loss_and_grad(_batch(3), replace(FULL, kl=KLConfig(coef=0.1, estimator="k4")))
 
 
 @pytest.mark.parametrize("mode", AGGREGATIONS)
 def test_zero_advantages_give_zero_policy_gradient(mode):
     batch = {**_batch(4), "advantages": torch.zeros(6, dtype=F64)}
-    _, grad, _ = _loss_and_grad(batch, replace(FULL, kl_coef=0.0, loss_agg=mode))
+    _, grad, _ = _loss_and_grad(batch, replace(FULL, kl=KLConfig(), loss_agg=mode))
     assert (grad == 0).all()
 
 

@@ -4,8 +4,15 @@ GRPO, Dr. GRPO, DAPO and critic-free PPO differ only in the fields these two ent
 
 - ``compute_advantages(rewards, cfg)``: ``algorithm.advantage`` picks an estimator from ``ESTIMATORS``.
 - ``policy_loss(...)``: the clipped surrogate (``clip_low``/``clip_high``), optionally against a proximal
-  policy with capped behaviour weights (``behavior_weight_cap``), plus ``kl_coef`` times a KL estimate
-  (``kl_estimator``), reduced by ``loss_agg``.
+  policy with capped behaviour weights (``behavior_weight_cap``), with a KL term to the reference policy
+  (``kl.coef``) where ``kl.place`` puts it, reduced by ``loss_agg``.
+
+The KL term (``hpcrl/config/checks.py`` holds the rule and its reference): ``kl.place=loss`` adds
+``kl.coef * k2`` to each token's loss, whose expected gradient is that of each token's KL(pi || ref) at the
+prefixes sampled; ``kl.place=reward`` subtracts ``kl.coef * k1`` of the behaviour policy per token from the
+return, as PPO for RLHF does, so each token's advantage loses the KL of its own and every later token: the
+policy gradient then carries the gradient of the whole sequence's KL, the way later tokens' KL depends on
+earlier tokens included. The penalty is added to the task's advantage after that is normalised.
 
 Logprob convention: every ``*logprobs`` tensor holds, per position, the log-probability of the token that
 was sampled there under the *tempered* distribution ``log_softmax(logits / temperature)`` -- the same
@@ -25,10 +32,18 @@ from collections.abc import Collection
 import torch
 from torch import Tensor
 
+from hpcrl.config.checks import kl_combination_problem
 from hpcrl.config.schema import AlgorithmConfig
 from hpcrl.train.algorithms.advantages import ESTIMATORS, equal_reward_groups
 from hpcrl.train.algorithms.aggregate import AGGREGATIONS, aggregate, loss_normalizer
-from hpcrl.train.algorithms.policy import KL_ESTIMATORS, behavior_weights, clipped_surrogate, kl_penalty
+from hpcrl.train.algorithms.policy import (
+    KL_ESTIMATORS,
+    behavior_weights,
+    clipped_surrogate,
+    k3,
+    kl_penalty,
+    reward_to_go,
+)
 
 __all__ = [
     "AGGREGATIONS",
@@ -42,6 +57,7 @@ __all__ = [
     "kl_penalty",
     "loss_normalizer",
     "policy_loss",
+    "reward_to_go",
 ]
 
 
@@ -79,18 +95,28 @@ def policy_loss(
     ``advantages`` is ``[batch]`` or ``[batch, seq]``. With ``cfg.behavior_weight_cap > 0`` the ratio is
     taken against ``prox_logprobs`` (required) and each token's loss is scaled by its behaviour weight, 0
     above the cap; such tokens still count in the normaliser (AReaL), so it depends on ``mask`` alone. With
-    the cap 0, ``prox_logprobs`` is ignored. ``ref_logprobs`` is required when ``cfg.kl_coef > 0``; the KL
-    term is added per token before aggregation and is not behaviour weighted. ``max_tokens`` and
-    ``global_normalizer``: see ``aggregate``.
+    the cap 0, ``prox_logprobs`` is ignored. ``ref_logprobs`` is required when ``cfg.kl.coef > 0``; the KL
+    term goes where ``cfg.kl.place`` says (module docstring); the ``kl`` metric is the k3 estimate of
+    KL(policy || reference), whatever the term's estimator. ``max_tokens`` and ``global_normalizer``: see
+    ``aggregate``.
     """
     _pick(AGGREGATIONS, cfg.loss_agg, "loss_agg")
-    _pick(KL_ESTIMATORS, cfg.kl_estimator, "kl_estimator")
+    kl_cfg = cfg.kl
+    _pick(KL_ESTIMATORS, kl_cfg.estimator, "kl.estimator")
+    if problem := kl_combination_problem(kl_cfg.place, kl_cfg.estimator):
+        raise ValueError(f"algorithm.kl.estimator={kl_cfg.estimator!r} is invalid: expected {problem}")
+    if kl_cfg.coef > 0 and ref_logprobs is None:
+        raise ValueError("algorithm.kl.coef > 0 needs ref_logprobs (the reference policy's logprobs)")
     keep = mask != 0
     # zero the masked-out positions first: padding may hold inf/NaN logprobs, whose gradient would
     # poison the real tokens' (0 * inf = NaN) even if the loss there were masked afterwards
     if advantages.dim() == logprobs.dim() - 1:
         advantages = advantages.unsqueeze(-1).expand_as(logprobs)
     logprobs, old_logprobs, advantages = (t.masked_fill(~keep, 0.0) for t in (logprobs, old_logprobs, advantages))
+    ref = None if ref_logprobs is None else ref_logprobs.masked_fill(~keep, 0.0)
+    if ref is not None and kl_cfg.coef > 0 and kl_cfg.place == "reward":
+        penalty = kl_penalty(old_logprobs.detach(), ref, kl_cfg.estimator).masked_fill(~keep, 0.0)
+        advantages = advantages - kl_cfg.coef * reward_to_go(penalty)
 
     anchor, weight, kept = old_logprobs, None, keep
     if cfg.behavior_weight_cap > 0:
@@ -104,13 +130,10 @@ def policy_loss(
         per_token = per_token * weight
 
     stats: dict[str, Tensor] = {}
-    if cfg.kl_coef > 0 and ref_logprobs is None:
-        raise ValueError("algorithm.kl_coef > 0 needs ref_logprobs (the reference policy's logprobs)")
-    if ref_logprobs is not None:
-        kl = kl_penalty(logprobs, ref_logprobs.masked_fill(~keep, 0.0), cfg.kl_estimator)
-        stats["kl"] = _token_mean(kl.detach(), keep)
-        if cfg.kl_coef > 0:
-            per_token = per_token + cfg.kl_coef * kl
+    if ref is not None:
+        stats["kl"] = _token_mean(k3(logprobs.detach(), ref), keep)
+        if kl_cfg.coef > 0 and kl_cfg.place == "loss":
+            per_token = per_token + kl_cfg.coef * kl_penalty(logprobs, ref, kl_cfg.estimator)
 
     loss = aggregate(per_token, keep, cfg.loss_agg, max_tokens, global_normalizer)
     stats["clip_frac"] = _token_mean(clipped.to(per_token.dtype), keep)

@@ -50,13 +50,20 @@ def k1(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return logprobs - ref_logprobs.detach()
 
 
+def k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """``(log p - log p_ref)^2 / 2``: biased as a value, but its gradient ``log(p / p_ref) * grad log p`` has the
+    expected value of KL(p || p_ref)'s gradient over samples of p (the one estimator for a loss term)."""
+    return 0.5 * (logprobs - ref_logprobs.detach()) ** 2
+
+
 def k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    """``exp(d) - d - 1`` with ``d = log p_ref - log p``: unbiased for KL(p || p_ref) and >= 0 on every token."""
+    """``exp(d) - d - 1`` with ``d = log p_ref - log p``: unbiased for KL(p || p_ref) and >= 0 on every token; as
+    a loss its expected gradient is KL(p_ref || p)'s, so hpcrl only measures with it (the ``kl`` metric)."""
     d = ref_logprobs.detach() - logprobs
     return torch.exp(d) - d - 1.0
 
 
-KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": k1, "k3": k3}
+KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": k1, "k2": k2, "k3": k3}
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
@@ -64,3 +71,8 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"KL estimator must be one of {sorted(KL_ESTIMATORS)}, got {estimator!r}")
     return KL_ESTIMATORS[estimator](logprobs, ref_logprobs)
+
+
+def reward_to_go(per_token: Tensor) -> Tensor:
+    """``out[..., t] = sum of per_token[..., s] for s >= t``: a per-token reward's return (undiscounted)."""
+    return per_token.flip(-1).cumsum(-1).flip(-1)
