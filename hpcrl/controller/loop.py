@@ -25,7 +25,7 @@ from hpcrl.controller.batch import rollout_stats, shard, to_sequences
 from hpcrl.controller.evaluate import greedy_accuracy
 from hpcrl.controller.metrics import MetricsLog
 from hpcrl.controller.preempt import Preempted, PreemptionGuard
-from hpcrl.controller.recovery import Checkpoints, ControllerState, find_checkpoint, rng_states, set_rng_states
+from hpcrl.controller.recovery import Checkpoints, ControllerState, resume_candidates, rng_states, set_rng_states
 from hpcrl.controller.rows import TrainingRows
 from hpcrl.controller.weights import WeightSync
 from hpcrl.inference.client import InferenceClient
@@ -33,6 +33,7 @@ from hpcrl.reward.outcome import RewardError
 from hpcrl.rollout.executor import RolloutExecutor
 from hpcrl.rollout.workflows import make_workflow
 from hpcrl.rollout.workflows.base import Group
+from hpcrl.rpc.messages import SequenceData
 
 if TYPE_CHECKING:  # types only: importing these here would add the reward pool and RPC to every loop import
     from hpcrl.controller.servers import ServerPool
@@ -93,12 +94,25 @@ class Loop:
                 raise dead from error
             await asyncio.sleep(0.2)
 
-    async def _watch(self) -> None:
-        while True:
-            self.w.check_alive()
-            if self.w.servers is not None:
-                await self.w.servers.rejoin()  # restarted servers that are ready come back
-            await asyncio.sleep(1.0)
+    async def _watch(self, period_s: float = 1.0) -> None:
+        """Every ``period_s``: is every worker alive? Restarted servers rejoin in a task of their own (loading the
+        weights may take long, and waits for a weight sync): the watchdog never waits on it, only raises what it
+        raised."""
+        rejoin: asyncio.Task | None = None
+        try:
+            while True:
+                self.w.check_alive()
+                if self.w.servers is not None:
+                    if rejoin is not None and rejoin.done():
+                        rejoin.result()  # a restarted server that never registered fails the run
+                        rejoin = None
+                    if rejoin is None:
+                        rejoin = asyncio.create_task(self.w.servers.rejoin(), name="rejoin")
+                await asyncio.sleep(period_s)
+        finally:
+            if rejoin is not None:
+                rejoin.cancel()
+                await asyncio.gather(rejoin, return_exceptions=True)
 
     async def _train(self, sync: WeightSync) -> dict[str, Any]:
         cfg, start = self.cfg, time.monotonic()
@@ -114,9 +128,14 @@ class Loop:
                 metrics = await self._step(step, executor, sync)
                 if self._eval_due(step):
                     self.accuracy = metrics["eval_accuracy"] = await self.evaluate()
+                state = None
                 if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
-                    metrics["time_checkpoint_s"] = await self._checkpoint(step)
+                    state, metrics["time_checkpoint_s"] = await self._save_checkpoint(step)
+                # the step's line is on disk before its checkpoint is complete: a resume from that checkpoint keeps
+                # the lines up to its step, so a kill between the two must not find the checkpoint without the line
                 metrics_log.log(step, metrics)
+                if state is not None:
+                    self.checkpoints.publish(state)
                 self.progress(step, metrics)
                 if self.preempt is not None and self.preempt.requested:
                     await self._stop_for_preemption(step, checkpointed="time_checkpoint_s" in metrics)
@@ -138,17 +157,15 @@ class Loop:
         return {**summary, "resumed_from_step": done} if restored else summary
 
     async def _begin(self, executor: RolloutExecutor, sync: WeightSync) -> ControllerState | None:
-        """Resume from the newest complete checkpoint (recover.mode=auto), or measure the accuracy before step 1."""
-        found = find_checkpoint(self.cfg.recover.mode, self.checkpoints)
-        if found is None:
+        """Resume from the newest usable checkpoint (recover.mode=auto), or measure the accuracy before step 1."""
+        state = await self._load_newest_checkpoint()
+        if state is None:
             self.accuracy_before = self.accuracy = await self.evaluate()
             log.info("held-out accuracy before training: %.3f", self.accuracy_before)
             return None
-        path, state = found
-        await self.w.trainers.load_checkpoint(path)
         # before any rollout, so every token's version (and staleness) goes on from the checkpoint's
         await sync.push(state.weight_version)
-        executor.restore(state.weight_version, batches_trained=state.step, rejected_total=state.groups_rejected)
+        executor.restore(state.weight_version, batches_trained=state.step, rejected=state.rejected_by_cause)
         self.rows.restore(state.rows)
         self.counters.update(state.counters)
         set_rng_states(state.rng)
@@ -162,15 +179,38 @@ class Loop:
         )
         return state
 
+    async def _load_newest_checkpoint(self) -> ControllerState | None:
+        """The trainers load the newest checkpoint that is whole and loads; one they fail to load is set aside and
+        the one before is tried. None: nothing to resume from. Raises when loads failed and none succeeded: the
+        trainers' state is then neither a checkpoint's nor the initial one."""
+        from hpcrl.rpc.client import RemoteError
+
+        failed = []
+        for path, state in resume_candidates(self.cfg.recover.mode, self.checkpoints):
+            try:
+                await self.w.trainers.load_checkpoint(path)
+            except RemoteError as e:
+                failed.append(path.name)
+                self.checkpoints.set_aside(path, f"the trainers could not load it: {str(e).splitlines()[0]}")
+                continue
+            log.info("recover.mode=auto: resuming from %s (step %d)", path, state.step)
+            return state
+        if failed:
+            raise RuntimeError(
+                f"the trainers failed to load every checkpoint ({', '.join(failed)}, set aside as .broken in "
+                f"{self.checkpoints.directory}; their logs say why): start a new run.trial, or fix and rename one back"
+            )
+        if self.cfg.recover.mode == "auto":
+            log.info("recover.mode=auto: no complete checkpoint in %s; starting at step 1", self.checkpoints.directory)
+        return None
+
     async def _step(self, step: int, executor: RolloutExecutor, sync: WeightSync) -> dict[str, Any]:
         cfg, version = self.cfg, step - 1  # the weights trained at this step are version step - 1
         t0 = time.monotonic()
         groups = await executor.next_batch()
         t1 = time.monotonic()
         metrics: dict[str, Any] = rollout_stats(groups, version)
-        sequences = to_sequences(groups, cfg.algorithm)
-        chunks = _split(sequences, cfg.algorithm.updates_per_batch)
-        results = [await self.w.trainers.train_step(shard(c, self.w.trainers.world_size)) for c in chunks]
+        results = await self._train_on(to_sequences(groups, cfg.algorithm))
         t2 = time.monotonic()
         await self._push(sync, step)
         executor.set_version(step)
@@ -180,7 +220,8 @@ class Loop:
         metrics.update(self.counters)
         metrics.update(
             groups_rejected=executor.rejected_total,
-            groups_failed=executor.failed_total,
+            groups_failed=executor.rejected["failed"],
+            groups_too_long=executor.rejected["too_long"],
             **self._server_counts(),
             time_rollout_wait_s=round(t1 - t0, 4),
             time_train_s=round(t2 - t1, 4),
@@ -188,6 +229,20 @@ class Loop:
             time_step_s=round(t3 - t0, 4),
         )
         return metrics
+
+    async def _train_on(self, sequences: list[SequenceData]) -> list[dict[str, float]]:
+        """``algorithm.updates_per_batch`` optimizer updates, each on its own disjoint part of the batch.
+
+        Decoupled PPO's proximal policy is the policy before this step's first update: its logprobs are taken
+        once, for the whole batch, before any update, so every part's ratio is against the same policy."""
+        trainers = self.w.trainers
+        if self.cfg.algorithm.behavior_weight_cap > 0:
+            shards = shard(sequences, trainers.world_size)
+            for part, logprobs in zip(shards, await trainers.compute_logprobs(shards), strict=True):
+                for seq, lp in zip(part, logprobs, strict=True):
+                    seq.prox_logprobs = lp
+        chunks = _split(sequences, self.cfg.algorithm.updates_per_batch)
+        return [await trainers.train_step(shard(c, trainers.world_size)) for c in chunks]
 
     def _server_counts(self) -> dict[str, int]:
         pool = self.w.servers
@@ -206,8 +261,9 @@ class Loop:
             batch_size=cfg.rollout.prompts_per_step,
             max_concurrent=cfg.rollout.max_concurrent,
             max_staleness=cfg.rollout.max_staleness,
-            accept=self._accept,
-            tolerated=_episode_errors(),
+            reject=self._reject,
+            classify=_episode_error_cause,
+            max_rejected_in_a_row=cfg.rollout.max_rejected_in_a_row,
         )
 
     async def _remote_episode(self, row: dict[str, str]) -> Group:
@@ -221,8 +277,9 @@ class Loop:
                 self.counters["episodes_lost"] = self.counters.get("episodes_lost", 0) + 1
                 log.warning("%s; running the episode again on the remaining rollout workers", e)
 
-    def _accept(self, group: Group) -> bool:
-        """Apply reward.on_error and DAPO's filter; score failed rewards 0 under on_error=zero."""
+    def _reject(self, group: Group) -> str | None:
+        """Apply reward.on_error and DAPO's filter: why the group is not trained on (a cause of the executor's
+        ``CAUSES``), or None; failed rewards are scored 0 under on_error=zero."""
         failed = [s for s in group.samples if s.reward_error is not None]
         if failed:
             self.counters["reward_errors"] += len(failed)
@@ -231,14 +288,14 @@ class Loop:
                 raise RewardError(f"{len(failed)} reward call(s) failed for {group.prompt!r}: {failed[0].reward_error}")
             if policy == "drop":
                 self.counters["groups_dropped"] += 1
-                return False
+                return "reward_error"
             for sample in failed:
                 sample.reward = 0.0
         rewards = {s.reward for s in group.samples}
         if self.cfg.algorithm.drop_equal_reward_groups and len(rewards) == 1:
             self.counters["groups_equal_reward"] += 1
-            return False
-        return True
+            return "equal_rewards"
+        return None
 
     async def _push(self, sync: WeightSync, step: int) -> None:
         """The weight sync; one that failed because a server died goes again once that server has left the pool."""
@@ -270,13 +327,19 @@ class Loop:
         raise Preempted(step, str(self.checkpoints.step_dir(step)))
 
     async def _checkpoint(self, step: int) -> float:
-        """Everything needed to go on after ``step`` (between steps): the controller's state, taken at once (the
-        rollout goes on meanwhile), the trainers' sharded state, then the marker that completes the checkpoint."""
+        """Everything needed to go on after ``step`` (between steps), complete: ``_save_checkpoint``, then the
+        marker. Only where ``step``'s metrics line is already written (preemption); the loop publishes itself."""
+        state, seconds = await self._save_checkpoint(step)
+        self.checkpoints.publish(state)
+        return seconds
+
+    async def _save_checkpoint(self, step: int) -> tuple[ControllerState, float]:
+        """The controller's state, taken at once (the rollout goes on meanwhile), and the trainers' sharded state
+        written; the checkpoint is complete once ``Checkpoints.publish`` writes the state as its marker."""
         start = time.monotonic()
         state = self._state(step)
         await self.w.trainers.save_checkpoint(self.checkpoints.step_dir(step))
-        self.checkpoints.publish(state)
-        return round(time.monotonic() - start, 4)
+        return state, round(time.monotonic() - start, 4)
 
     def _state(self, step: int) -> ControllerState:
         executor = self.executor
@@ -287,6 +350,7 @@ class Loop:
             rows=self.rows.state(executor.unbatched_rows()),
             counters=dict(self.counters),
             groups_rejected=executor.rejected_total,
+            rejected_by_cause=dict(executor.rejected),
             eval_accuracy_before=self.accuracy_before,
             eval_accuracy_last=self.accuracy,
             rng=rng_states(),
@@ -307,11 +371,19 @@ def _split(items: list, parts: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def _episode_errors() -> tuple[type[BaseException], ...]:
-    """Errors that fail one episode's group, not the run: a server that kept failing a request through the
-    client's bounded retries, or an episode that raised on a rollout worker. A dead server or trainer is the
-    watchdog's to report; many failures in a row fail the run (RolloutExecutor)."""
+def _episode_error_cause(error: BaseException) -> str | None:
+    """The rejection cause of an episode error that fails one group, not the run; None: it fails the run.
+
+    A server that kept failing a request through the client's bounded retries, or an episode that raised on a
+    rollout worker: ``failed``. A request whose prompt plus ``max_new_tokens`` does not fit the model's context
+    (an exception class named ``ContextLengthError``, or a subclass of one, wherever the inference client defines
+    it): ``too_long``. A dead server or trainer is the watchdog's to report; many rejections in a row fail the
+    run (RolloutExecutor)."""
     from hpcrl.inference.client import InferenceError
     from hpcrl.rollout.remote import RolloutWorkerError
 
-    return (InferenceError, RolloutWorkerError)
+    if any(cls.__name__ == "ContextLengthError" for cls in type(error).__mro__):
+        return "too_long"
+    if isinstance(error, (InferenceError, RolloutWorkerError)):
+        return "failed"
+    return None

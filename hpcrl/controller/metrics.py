@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,11 @@ class MetricsLog:
         self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge_step)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Append the step's line and put it on disk before returning: the loop marks a checkpoint of this step
+        complete only after this, so a crash cannot leave a checkpoint that covers a step whose line is lost."""
         self._file.write(json.dumps({"step": step, **metrics}) + "\n")
         self._file.flush()
+        os.fsync(self._file.fileno())
         for name, value in metrics.items():
             if isinstance(value, (int, float)) and math.isfinite(value):
                 self._tb.add_scalar(name, value, step)

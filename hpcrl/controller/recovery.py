@@ -1,23 +1,29 @@
-"""Checkpoints of a whole run, and resuming from the newest complete one (``recover.mode=auto``).
+"""Checkpoints of a whole run, and resuming from the newest usable one (``recover.mode=auto``).
 
     <run dir>/checkpoints/
         step_000004/            the trainers' sharded state (hpcrl/train/checkpoint.py: written as
                                 step_000004.partial and renamed once every rank is done)
             controller.json     the controller's state, written last: a step directory without it is incomplete
+        step_000006.broken/     a checkpoint a resume found unusable, set aside (never deleted by hpcrl)
         latest                  "step_000004": the newest complete checkpoint, for people and tools
 
 Saving (the loop, between steps, every ``checkpoint.every_steps`` steps): the controller's state is taken (step,
-weight version, data position, RNG states, counters, eval accuracy) -> the trainers write ``step_NNNNNN`` ->
-``controller.json`` is written into it -> ``latest`` is rewritten -> complete checkpoints older than the newest
-``checkpoint.keep`` are deleted. Both files are written atomically (a temporary file renamed over the name), so a
-crash at any moment leaves every earlier checkpoint whole (a prune starts once the new one is complete) and, at
-worst, a ``.partial`` directory or a step directory without ``controller.json``.
+weight version, data position, RNG states, counters, eval accuracy) -> the trainers write ``step_NNNNNN``, every
+file fsynced, then the directory, renamed into place and the parent fsynced -> the step's metrics line is
+written and fsynced -> ``controller.json`` is written into the step directory (fsynced, renamed over, the
+directory fsynced): now the checkpoint is complete -> complete checkpoints older than the newest
+``checkpoint.keep`` are deleted -> ``latest`` is replaced (a temporary file renamed over it, fsynced). So a
+crash of the node at any moment leaves every earlier checkpoint whole (a prune starts once the new one is
+complete and on disk) and, at worst, a ``.partial`` directory or a step directory without ``controller.json``.
 
-Resuming (``recover.mode=auto``, the same run directory): the checkpoint is the newest step directory that has
-``controller.json`` (not ``latest``, which a crash between the two writes leaves one behind); incomplete ones are
-deleted. The loop then has the trainers load it, gives the servers its weights tagged with its weight version
-before any rollout (so every token's version, and staleness, go on from there), restores the controller's
-state, cuts ``metrics.jsonl`` back to its step and goes on at the next step.
+Resuming (``recover.mode=auto``, the same run directory): incomplete saves are deleted; then, newest first, a
+complete checkpoint is taken if its ``controller.json`` reads and every part of the trainers' state is there and
+whole (``check_checkpoint``: the trainer state file, the tensors' metadata, every tensor file as long as the
+metadata says); one that is not, or that the trainers then fail to load, is renamed ``.broken`` with a warning
+naming what was wrong, and the one before is tried. ``latest`` is not read (a crash between the two writes
+leaves it one behind). The loop then has the trainers load it, gives the servers its weights tagged with its
+weight version before any rollout (so every token's version, and staleness, go on from there), restores the
+controller's state, cuts ``metrics.jsonl`` back to its step and goes on at the next step.
 """
 
 from __future__ import annotations
@@ -28,16 +34,19 @@ import logging
 import random
 import re
 import shutil
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hpcrl.rundir import write_atomic
+from hpcrl.train.checkpoint import check_checkpoint, fsync_dir
 
 log = logging.getLogger(__name__)
 
 CONTROLLER_FILE = "controller.json"
 LATEST_FILE = "latest"
+BROKEN_SUFFIX = ".broken"
 _CHECKPOINT_NAME = re.compile(r"step_(\d+)")  # step_000004; step_000004.partial and .old are the trainers' temporaries
 
 
@@ -49,10 +58,11 @@ class ControllerState:
     weight_version: int  # the version of the weights after that step, which the servers must hold
     rows: dict[str, Any]  # the data position (TrainingRows.state)
     counters: dict[str, int]  # Loop.counters: reward errors, dropped groups, equal-reward groups
-    groups_rejected: int  # groups the rollout executor rejected so far
+    groups_rejected: int  # groups the rollout executor rejected so far, all causes
     eval_accuracy_before: float  # held-out accuracy before step 1
     eval_accuracy_last: float  # the latest held-out accuracy measured
     rng: dict[str, Any]  # the controller's global generators: Python's, NumPy's and torch's (rng_states)
+    rejected_by_cause: dict[str, int] = field(default_factory=dict)  # the same, by cause (RolloutExecutor.rejected)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -65,9 +75,11 @@ class ControllerState:
 class Checkpoints:
     """The run's ``checkpoints/`` directory: where step N goes, marking one complete, finding the newest."""
 
-    def __init__(self, directory: Path, keep: int = 0):
+    def __init__(self, directory: Path, keep: int = 0, check_trainers: Callable[[Path], str | None] | None = None):
         self.directory = directory
         self.keep = keep  # complete checkpoints kept, the newest; 0 = every one
+        # what is wrong with a checkpoint's trainer part, or None (hpcrl/train/checkpoint.py's check_checkpoint)
+        self.check_trainers = check_trainers or check_checkpoint
 
     def step_dir(self, step: int) -> Path:
         return self.directory / f"step_{step:06d}"
@@ -75,9 +87,11 @@ class Checkpoints:
     def publish(self, state: ControllerState) -> Path:
         """Mark the checkpoint of ``state.step`` complete (the trainers' part is written); point ``latest`` at it."""
         path = self.step_dir(state.step)
-        write_atomic(path / CONTROLLER_FILE, state.to_json())
-        write_atomic(self.directory / LATEST_FILE, path.name + "\n")
+        write_atomic(path / CONTROLLER_FILE, state.to_json())  # fsynced, then renamed into place
+        fsync_dir(path)  # the rename: from here on the checkpoint is complete, even after a crash of the node
         self.prune()
+        write_atomic(self.directory / LATEST_FILE, path.name + "\n")
+        fsync_dir(self.directory)
         return path
 
     def prune(self) -> list[str]:
@@ -93,25 +107,37 @@ class Checkpoints:
         found = [p for p in self._step_entries() if p.is_dir() and (p / CONTROLLER_FILE).is_file()]
         return sorted(found, key=lambda p: int(p.name.removeprefix("step_")))
 
-    def latest(self) -> tuple[Path, ControllerState] | None:
-        complete = self.complete()
-        if not complete:
-            return None
-        path = complete[-1]
-        try:
-            return path, ControllerState.from_json((path / CONTROLLER_FILE).read_text())
-        except (ValueError, TypeError) as e:  # written atomically, so only another hpcrl version's file
-            raise ValueError(
-                f"{path / CONTROLLER_FILE} is not a controller state this hpcrl can read ({e}): resume with the "
-                "hpcrl version that wrote it, or start a new run.trial"
-            ) from e
+    def usable(self) -> Iterator[tuple[Path, ControllerState]]:
+        """Complete checkpoints, newest first, whose every part is there and whole; an older one is only looked
+        at once the caller asks for the next (the newer could not be loaded). Unusable ones are set aside."""
+        for path in reversed(self.complete()):
+            try:
+                state = ControllerState.from_json((path / CONTROLLER_FILE).read_text())
+            except (ValueError, TypeError) as e:  # written atomically: another hpcrl version's file, or a bad disk
+                self.set_aside(path, f"{CONTROLLER_FILE} is not a controller state this hpcrl can read ({e})")
+                continue
+            problem = self.check_trainers(path)
+            if problem is not None:
+                self.set_aside(path, problem)
+                continue
+            yield path, state
+
+    def set_aside(self, path: Path, why: str) -> Path:
+        """Rename an unusable checkpoint ``<name>.broken`` (kept for a look, out of every count) and say why."""
+        aside = path.with_name(path.name + BROKEN_SUFFIX)
+        shutil.rmtree(aside, ignore_errors=True)
+        path.rename(aside)
+        fsync_dir(self.directory)
+        log.warning("checkpoint %s cannot be resumed from: %s; it is kept as %s, trying the one before", path.name,
+                    why, aside.name)  # fmt: skip
+        return aside
 
     def remove_incomplete(self) -> list[str]:
         """Delete what interrupted saves left (``.partial``, ``.old``, step directories without their marker)."""
         complete = set(self.complete())
         removed = []
         for entry in self._step_entries(temporaries=True):
-            if entry in complete:
+            if entry in complete or entry.name.endswith(BROKEN_SUFFIX):
                 continue
             if entry.is_dir():
                 shutil.rmtree(entry)
@@ -127,20 +153,15 @@ class Checkpoints:
         return [p for p in self.directory.iterdir() if match(p.name)]
 
 
-def find_checkpoint(mode: str, checkpoints: Checkpoints) -> tuple[Path, ControllerState] | None:
-    """The checkpoint to resume from under ``recover.mode``; None: start at step 1."""
+def resume_candidates(mode: str, checkpoints: Checkpoints) -> Iterator[tuple[Path, ControllerState]]:
+    """The checkpoints to resume from under ``recover.mode``, newest usable first; none: start at step 1."""
     if mode == "off":
         if checkpoints.complete():
             log.warning("recover.mode=off: starting at step 1, not from the checkpoints in %s", checkpoints.directory)
-        return None
+        return iter(())
     for name in checkpoints.remove_incomplete():
         log.warning("deleted %s in %s: an interrupted checkpoint", name, checkpoints.directory)
-    found = checkpoints.latest()
-    if found is None:
-        log.info("recover.mode=auto: no complete checkpoint in %s; starting at step 1", checkpoints.directory)
-    else:
-        log.info("recover.mode=auto: resuming from %s (step %d)", found[0], found[1].step)
-    return found
+    return checkpoints.usable()
 
 
 def rng_states() -> dict[str, Any]:

@@ -15,9 +15,12 @@ queue does not count against the setup timeout. ``drop`` is local only, and in o
 (``hetjob``) the roles share the job's fate: there a dead server fails the run (config checks refuse
 ``restart``). Rollout workers are told every change of the pool.
 
-The watchdog calls ``check`` (plain) every second, then ``rejoin`` (async). ``rejoin`` holds the weight sync's
-lock, so a restarted server joins either before a weight sync, which then includes it, or after one, and loads
-that sync's export: it never serves weights older than the others'.
+The watchdog calls ``check`` (plain) every second, and runs ``rejoin`` (async) as a task of its own, never
+waiting on it: loading weights may take long, and a worker that dies meanwhile must still be noticed.
+``rejoin`` holds the weight sync's lock, so a restarted server joins either before a weight sync, which then
+includes it, or after one, and loads that sync's export: it never serves weights older than the others'. A
+server that dies again while it loads is restarted by ``check`` meanwhile; the load that was under way then
+does not put it back (``_restarted_times`` tells the two apart).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class ServerPool:
         self.episodes: Any = None  # rollout.remote.RemoteEpisodes, when rollout workers run the episodes
         self.lost = self.restarts = 0
         self.restarting: dict[int, float] = {}  # rank -> the monotonic deadline by which it must register
+        self._restarted_times: dict[int, int] = {}  # rank -> times it left the pool to restart
         self._changed = False  # the pool changed and the rollout workers have not been told
 
     def check(self) -> None:
@@ -74,7 +78,7 @@ class ServerPool:
                         f"logs/server-{rank}.log); raise cluster.roles.server.setup_timeout_s if it was still loading"
                     )
                 continue
-            if await self._load_and_add(rank, entry.address):
+            if await self._load_and_add(rank, entry.address, self._restarted_times.get(rank, 0)):
                 del self.restarting[rank]
         if self._changed and self.episodes is not None:
             self._changed = False
@@ -130,6 +134,7 @@ class ServerPool:
         if self.addresses[rank] in self.client.addresses:
             self.client.remove(self.addresses[rank], last_ok=True)
         self.restarting[rank] = time.monotonic() + self.group.spec.setup_timeout_s
+        self._restarted_times[rank] = self._restarted_times.get(rank, 0) + 1
         self._changed = True
 
     def _restarted(self, failure: WorkerFailed) -> None:
@@ -137,7 +142,7 @@ class ServerPool:
         limit = self.cfg.inference.max_restarts
         log.warning("%s; restarting it (restart %d of inference.max_restarts=%d)", failure, self.restarts, limit)
 
-    async def _load_and_add(self, rank: int, address: str) -> bool:
+    async def _load_and_add(self, rank: int, address: str, restarted_times: int) -> bool:
         """Give a restarted server the newest weights and put it in the pool; False to try again later."""
         async with self.sync.lock:  # no weight sync runs meanwhile: the export read here is the newest
             current = self.sync.current
@@ -146,6 +151,8 @@ class ServerPool:
                     await self.client.update_weights_from_disk(current[0], current[1], servers=[address])
             except InferenceError as e:  # e.g. it died again: the next check restarts it or fails the run
                 log.warning("restarted server worker %d at %s did not load the weights: %s", rank, address, e)
+                return False
+            if self._restarted_times.get(rank, 0) != restarted_times:  # it died and restarted while loading
                 return False
             self.client.add(address)
         self.addresses[rank] = address

@@ -10,6 +10,7 @@ from typing import Any
 
 from hpcrl.rpc.client import RpcClient
 from hpcrl.rpc.messages import (
+    ComputeLogprobs,
     ExportWeights,
     JoinWeightGroup,
     LoadCheckpoint,
@@ -40,6 +41,11 @@ class Trainers:
         """One optimizer step on the global batch split in ``shards`` (one per rank); global metrics."""
         replies = await self.rpc.call("train_step", [TrainStep(s, self.temperature) for s in shards])
         return replies[0].metrics
+
+    async def compute_logprobs(self, shards: list[list[SequenceData]]) -> list[list[list[float]]]:
+        """Per-token logprobs of the current policy for each shard's sequences (one forward, no update)."""
+        replies = await self.rpc.call("compute_logprobs", [ComputeLogprobs(s, self.temperature) for s in shards])
+        return [reply.logprobs for reply in replies]
 
     async def export(self, path) -> None:
         await self.rpc.broadcast("export_weights", ExportWeights(str(path)))

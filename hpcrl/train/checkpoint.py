@@ -6,6 +6,11 @@ Everything is written under ``<dir>.partial`` and renamed to ``<dir>`` by rank 0
 finished, so ``<dir>`` is either a whole checkpoint or absent. A crash during the final rename (a few
 syscalls) can leave the previous checkpoint at ``<dir>.old``.
 
+Durable before it is published: every rank fsyncs the files it wrote (DCP's ``sync_files``), rank 0 writes
+``trainer_state.json`` with an fsync, fsyncs the directory (its entries, the other ranks' files among them),
+renames it and fsyncs the parent, so a node that crashes after ``save_checkpoint`` returns cannot lose a
+part of it. ``check_checkpoint`` finds what a crash or a full disk left missing or short, without loading.
+
 The directory must be on a filesystem all ranks share (on a cluster: the run directory).
 """
 
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -35,16 +41,19 @@ def save_checkpoint(engine: Engine, directory: str | Path) -> Path:
     run_on_main(info, lambda: shutil.rmtree(partial, ignore_errors=True), what=f"clearing {partial}")
     model_state, optim_state = get_state_dict(model, optimizer)
     # DCP coordinates (plans, the final barrier) over the gloo meta group, never the NCCL one
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=partial, process_group=info.meta_group)
+    writer = dcp.FileSystemWriter(partial, sync_files=True)  # every rank fsyncs each file it writes
+    dcp.save({"model": model_state, "optim": optim_state}, storage_writer=writer, process_group=info.meta_group)
     trainer_state = {"step": engine.step, "world_size": info.world_size, "scheduler": scheduler.state_dict()}
 
     def publish() -> None:
-        (partial / STATE_FILE).write_text(json.dumps(trainer_state, indent=1))
+        write_synced(partial / STATE_FILE, json.dumps(trainer_state, indent=1))
+        fsync_dir(partial)  # the entries of every rank's files, and of the metadata DCP renamed into place
         old = final.with_name(final.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
         if final.exists():
             final.rename(old)
         partial.rename(final)
+        fsync_dir(final.parent)  # the renames
         shutil.rmtree(old, ignore_errors=True)
         logger.info("saved checkpoint of step %d to %s", engine.step, final)
 
@@ -80,6 +89,58 @@ def load_checkpoint(engine: Engine, directory: str | Path) -> None:
         trainer_state["world_size"],
         info.world_size,
     )
+
+
+def write_synced(path: Path, text: str) -> None:
+    """Write ``path`` and fsync it (the caller fsyncs its directory once its other entries are in place)."""
+    with path.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory, so the entries created or renamed in it survive a crash of the node."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_checkpoint(directory: str | Path) -> str | None:
+    """What is wrong with the trainers' part of a checkpoint, or None when every part is there, whole.
+
+    Reads ``trainer_state.json`` and DCP's metadata (no collective, no model), and checks that every file the
+    metadata names is there and long enough for every tensor it holds: a deleted or truncated part is found
+    before any trainer tries to load it.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(directory)
+    try:
+        trainer_state = json.loads((path / STATE_FILE).read_text())
+        if not isinstance(trainer_state.get("scheduler"), dict):  # and the step: what load_checkpoint reads
+            raise KeyError("scheduler")
+        int(trainer_state["step"])
+    except FileNotFoundError:
+        return f"{STATE_FILE} is missing"
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{STATE_FILE} is not a trainer state ({type(e).__name__}: {e}); the file may be cut short"
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:  # missing, or cut short: pickle raises several kinds
+        return f"the tensors' metadata (.metadata) cannot be read ({type(e).__name__}: {e})"
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            return f"the tensor file {name} is missing"
+        if file.stat().st_size < size:
+            return f"the tensor file {name} is cut short: {file.stat().st_size} bytes, its tensors need {size}"
+    return None
 
 
 def _parts(engine: Engine):

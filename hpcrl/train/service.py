@@ -66,18 +66,21 @@ class TrainerService:
         return TrainerState(self.rank, self.engine.step)
 
     def train_step(self, msg: TrainStep) -> TrainStepResult:
-        """One optimizer step; first the logprobs the objective needs that the controller does not have.
+        """One optimizer step; first the reference policy's logprobs (KL term), which the controller does not have.
 
-        The reference policy's (KL penalty) and, for the decoupled objective, the proximal policy's: this
-        policy before the update. Both are collective, like the step.
+        Collective, like the step. Decoupled PPO's proximal logprobs come with the sequences: the controller
+        takes them once per step, for the whole batch, before its first update (``compute_logprobs``), since
+        with ``algorithm.updates_per_batch > 1`` this policy has changed by the second call.
         """
         sequences = [Sequence(**asdict(s)) for s in msg.sequences]
+        if self.decoupled and any(s.prox_logprobs is None for s in sequences):
+            raise ValueError(
+                "algorithm.behavior_weight_cap > 0 (decoupled PPO) needs prox_logprobs on every sequence: the "
+                "policy's logprobs before the step's first update, from compute_logprobs over the whole batch"
+            )
         if self.reference is not None:
             for seq, lp in zip(sequences, self.reference.sequence_logprobs(sequences, msg.temperature), strict=True):
                 seq.ref_logprobs = lp
-        if self.decoupled:
-            for seq, lp in zip(sequences, self.engine.sequence_logprobs(sequences, msg.temperature), strict=True):
-                seq.prox_logprobs = lp
         return TrainStepResult(self.engine.train_step(sequences, self.loss_fn, msg.temperature))
 
     def compute_logprobs(self, msg: ComputeLogprobs) -> LogprobsResult:

@@ -52,11 +52,12 @@ def test_a_checkpoint_of_another_dataset_or_seed_is_refused():
 
 
 async def trained_rows(rows: TrainingRows, batches: int, executor_state=None) -> tuple[list, RolloutExecutor]:
-    """Rows of the groups of ``batches`` batches from an executor running ahead (staleness 1); episodes that
-    end in the order they start, as the row's own group."""
+    """Rows of the groups of ``batches`` batches from an executor running ahead (staleness 1); each episode's
+    group is its row, and episodes end out of the order they start in (a row's own number of event-loop turns)."""
 
     async def episode(row):
-        await asyncio.sleep(0)
+        for _ in range(3 * (int(row["answer"]) % 3)):
+            await asyncio.sleep(0)
         return row
 
     ex = RolloutExecutor(episode, rows, batch_size=3, max_concurrent=4, max_staleness=1)
@@ -67,6 +68,7 @@ async def trained_rows(rows: TrainingRows, batches: int, executor_state=None) ->
     for _ in range(batches):
         trained += await ex.next_batch()
         ex.set_version(ex.version + 1)
+        await asyncio.sleep(0)  # the train step and the weight sync: the rollout runs meanwhile
     return trained, ex
 
 
@@ -82,7 +84,7 @@ def test_a_run_resumed_from_a_checkpoint_trains_on_the_rows_of_an_uninterrupted_
         await ex.close()  # the crash
         resumed = TrainingRows(ROWS, seed=5)
         resumed.restore(state)
-        after, ex = await trained_rows(resumed, batches=4, executor_state=(2, 2, 0))
+        after, ex = await trained_rows(resumed, batches=4, executor_state=(2, 2, {}))
         await ex.close()
         assert before + after == uninterrupted
 

@@ -1,0 +1,170 @@
+"""The loop's own logic, with fake workers: what it sends the trainers, the order of a step's record and its
+checkpoint, and a watchdog that never waits on a reloading server. The real processes are in test_job.py."""
+
+import asyncio
+import time
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from hpcrl.config.schema import Config
+from hpcrl.controller.loop import Loop, Workers
+from hpcrl.controller.metrics import read_metrics
+from hpcrl.launch.base import WorkerFailed
+from hpcrl.rpc.messages import SequenceData
+from hpcrl.rundir import RunDir
+
+
+def make_loop(tmp_path, cfg: Config | None = None, cls: type[Loop] = Loop, **workers) -> Loop:
+    workers = {"client": None, "trainers": None, "rewards": None, "check_alive": lambda: None, **workers}
+    run_dir = RunDir.create(tmp_path, "exp", "t")
+    return cls(cfg or Config(), Workers(**workers), None, [{"prompt": "1+1=", "answer": "2"}], [], run_dir)
+
+
+# ---------------------------------------------------------------- decoupled PPO's proximal policy
+
+
+class PolicyTrainers:
+    """Trainers whose policy is a number that each update raises by one: a logprob of the policy says which
+    policy computed it. Records the proximal logprobs of every update."""
+
+    world_size = 2
+
+    def __init__(self):
+        self.updates = 0
+        self.prox_seen: list[list[float]] = []  # per train_step call, every token's proximal logprob
+
+    async def compute_logprobs(self, shards):
+        return [[[-1.0 - self.updates] * len(s.input_ids) for s in part] for part in shards]
+
+    async def train_step(self, shards):
+        self.prox_seen.append([lp for part in shards for s in part for lp in s.prox_logprobs])
+        self.updates += 1
+        return {"loss": 0.0}
+
+
+def sequence(n: int) -> SequenceData:
+    return SequenceData([3] * n, [0] + [1] * (n - 1), 1.0, [-0.5] * n, None, None, [-1] + [0] * (n - 1))
+
+
+def test_decoupled_ppo_takes_the_proximal_policy_once_before_the_first_update(tmp_path):
+    cfg = Config()
+    cfg.algorithm = replace(cfg.algorithm, behavior_weight_cap=5.0, updates_per_batch=2)
+    trainers = PolicyTrainers()
+    loop = make_loop(tmp_path, cfg, trainers=trainers)
+    asyncio.run(loop._train_on([sequence(n) for n in (3, 4, 5, 6)]))
+    assert trainers.updates == 2, "two disjoint parts of the batch, one update each"
+    first, second = trainers.prox_seen
+    assert set(first) == {-1.0}, "the policy before the first update"
+    assert set(second) == {-1.0}, "the second part's proximal policy is still the one before the first update"
+    assert len(first) + len(second) == 3 + 4 + 5 + 6
+
+
+def test_without_the_decoupled_objective_no_proximal_logprobs_are_taken(tmp_path):
+    trainers = PolicyTrainers()
+    trainers.train_step = _record_none(trainers)
+    asyncio.run(make_loop(tmp_path, trainers=trainers)._train_on([sequence(3), sequence(4)]))
+    assert trainers.prox_seen == [[None], [None]]
+
+
+def _record_none(trainers):
+    async def train_step(shards):
+        trainers.prox_seen.append([s.prox_logprobs for part in shards for s in part])
+        return {"loss": 0.0}
+
+    return train_step
+
+
+# ---------------------------------------------------------------- a step's record before its checkpoint
+
+
+class FakeExecutor:
+    version = 0
+
+    def start(self):
+        pass
+
+    async def close(self):
+        pass
+
+
+class SpyCheckpoints:
+    """Records which steps metrics.jsonl held when each checkpoint was marked complete."""
+
+    def __init__(self, metrics_file):
+        self.metrics_file, self.published = metrics_file, {}
+
+    def publish(self, state):
+        self.published[state.step] = [row["step"] for row in read_metrics(self.metrics_file)]
+
+
+class RecordingLoop(Loop):
+    """The loop's own ``_train`` with the steps, the eval and the trainers' part of a checkpoint faked."""
+
+    async def _begin(self, executor, sync):
+        return None
+
+    def _executor(self):
+        return FakeExecutor()
+
+    async def _step(self, step, executor, sync):
+        return {"loss": 1.0 / step}
+
+    async def _save_checkpoint(self, step):
+        return SimpleNamespace(step=step), 0.0
+
+    async def evaluate(self):
+        return 0.0
+
+
+def test_a_steps_metrics_line_is_on_disk_before_its_checkpoint_is_complete(tmp_path):
+    # the lost step 4 of HPCRL_KILL_SEED=58339: its checkpoint was complete before its line was written, so a
+    # kill between the two left a checkpoint a resume cuts metrics.jsonl back to, without step 4's line
+    cfg = Config()
+    cfg.run.max_steps, cfg.checkpoint.every_steps = 6, 2
+    cfg.eval = replace(cfg.eval, every_steps=0, stop_at_accuracy=0)
+    loop = make_loop(tmp_path, cfg, cls=RecordingLoop)
+    loop.checkpoints = SpyCheckpoints(loop.run_dir.path / "metrics.jsonl")
+    asyncio.run(loop._train(sync=None))
+    assert loop.checkpoints.published == {2: [1, 2], 4: [1, 2, 3, 4], 6: [1, 2, 3, 4, 5, 6]}
+
+
+# ---------------------------------------------------------------- the watchdog and a reloading server
+
+
+class ReloadingServers:
+    """A restarted server whose weights take forever to load: ``rejoin`` never returns."""
+
+    def __init__(self):
+        self.rejoins_started = 0
+        self.cancelled = False
+
+    async def rejoin(self):
+        self.rejoins_started += 1
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+
+
+class TrainingForever(Loop):
+    async def _train(self, sync):
+        await asyncio.Event().wait()
+
+
+def test_a_trainer_that_dies_while_a_server_reloads_fails_the_run_within_the_watchdogs_period(tmp_path):
+    servers, died_at = ReloadingServers(), time.monotonic() + 1.5
+
+    def check_alive():
+        if time.monotonic() > died_at:
+            raise WorkerFailed("trainer", 1, -9, "")
+
+    loop = make_loop(tmp_path, cls=TrainingForever, check_alive=check_alive, servers=servers)
+    with pytest.raises(WorkerFailed, match="trainer worker 1"):
+        asyncio.run(asyncio.wait_for(loop.run(sync=None), 10))
+    took = time.monotonic() - died_at
+    assert took < 2.5, f"the watchdog noticed the dead trainer {took:.1f} s after it died (its period is 1 s)"
+    assert servers.rejoins_started == 1, "one reload at a time, and the watchdog does not wait for it"
+    assert servers.cancelled, "the reload under way ends with the run"
