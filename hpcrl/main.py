@@ -1,7 +1,9 @@
 """``python -m hpcrl.main [group=option ...] [key=value ...]``: the hpcrl job.
 
 Composes the config with Hydra (``conf/``), validates it before anything starts, makes the run
-directory ``<run.root>/<run.experiment>/<run.trial>/``, runs the job (``hpcrl.controller.job``) and
+directory ``<run.root>/<run.experiment>/<run.trial>/`` (under ``-m``, ``.../<run.trial>/<job number>/`` for
+each job of the sweep), refuses one where an earlier run left steps unless ``recover.mode=auto`` (or
+the Slurm job was requeued) resumes it, runs the job (``hpcrl.controller.job``) and
 ends with one JSON line on stdout: steps, wall_s, eval_accuracy_before, eval_accuracy_after, run_dir (and
 resumed_from_step when ``recover.mode=auto`` resumed from a checkpoint). With ``-m
 hydra/launcher=submitit_slurm`` the same function runs as a Slurm job; the config is validated in
@@ -17,12 +19,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from hpcrl.config import ConfigError, format_spec
 from hpcrl.config.hydra import exit_on_config_error, register_schema, to_config_or_exit
 from hpcrl.config.load import dump_config
 from hpcrl.config.overrides import check_override_keys, expand_allocation_shorthand
+from hpcrl.controller.preempt import restarted_by_slurm
 from hpcrl.logs import setup_logging
 from hpcrl.rundir import RunDir
 
@@ -33,7 +38,20 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def run(dcfg: DictConfig) -> None:
     cfg = to_config_or_exit(dcfg)
-    run_dir = RunDir.create(cfg.run.root, cfg.run.experiment, cfg.run.trial)
+    requeued = restarted_by_slurm()
+    if requeued and cfg.recover.mode != "auto":  # a requeued job goes on from its last checkpoint
+        cfg = replace(cfg, recover=replace(cfg.recover, mode="auto"))
+    run_dir = RunDir.at(cfg.run.root, cfg.run.experiment, cfg.run.trial, sweep_job_number())
+    earlier = run_dir.earlier_run() if cfg.recover.mode == "off" else ""
+    if earlier:  # starting afresh there would mix two runs' metrics and prune the new run's checkpoints
+        exit_on_config_error(
+            ConfigError(
+                "recover.mode",
+                "off",
+                f"auto to resume the run in {run_dir.path} ({earlier}), or a new run.trial to start another one",
+            )
+        )
+    run_dir = RunDir.create(cfg.run.root, cfg.run.experiment, cfg.run.trial, sweep_job_number())
     setup_logging("controller", 0, cfg.run.log_level, run_dir.log_file("controller", 0))
     run_dir.write_config(dump_config(cfg))
     log.info(
@@ -48,11 +66,10 @@ def run(dcfg: DictConfig) -> None:
         log.info("run.dry_run=true: the config is valid and written to %s; nothing was started", run_dir.config_file)
         return
     from hpcrl.controller.job import run_job
-    from hpcrl.controller.preempt import Preempted, PreemptionGuard, restarted_by_slurm
+    from hpcrl.controller.preempt import Preempted, PreemptionGuard
 
-    if restarted_by_slurm() and cfg.recover.mode != "auto":
+    if requeued:
         log.info("this Slurm job was requeued: it resumes from its last checkpoint (recover.mode=auto)")
-        cfg = replace(cfg, recover=replace(cfg.recover, mode="auto"))
     try:
         with PreemptionGuard() as guard:
             try:
@@ -67,6 +84,13 @@ def run(dcfg: DictConfig) -> None:
         print(f"hpcrl: the run failed ({type(e).__name__}): {e}", file=sys.stderr)
         sys.exit(1)
     print(json.dumps(summary), flush=True)
+
+
+def sweep_job_number() -> int | None:
+    """This job's number in a ``-m`` sweep (Hydra's ``hydra.job.num``), None outside one."""
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    return int(HydraConfig.get().job.num)
 
 
 def main() -> None:

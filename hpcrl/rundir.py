@@ -1,5 +1,7 @@
 """The run directory ``<root>/<experiment>/<trial>/``: resolved config, worker logs, registry, checkpoints.
 
+Each job of a ``-m`` sweep has its own, ``<root>/<experiment>/<trial>/<job number>/`` (Hydra's job number,
+as in Hydra's own sweep directories), so no two jobs share metrics, checkpoints, registry or secret.
 On a cluster it lies on a filesystem shared by every node: workers write their logs and register
 their addresses there, and the controller reads them.
 """
@@ -17,11 +19,26 @@ class RunDir:
     path: Path
 
     @classmethod
-    def create(cls, root: str | Path, experiment: str, trial: str) -> RunDir:
-        run = cls(Path(root).expanduser().absolute() / experiment / trial)
+    def at(cls, root: str | Path, experiment: str, trial: str, job: int | None = None) -> RunDir:
+        """Where the run directory is (nothing is made): ``job`` is the job's number in a ``-m`` sweep."""
+        path = Path(root).expanduser().absolute() / experiment / trial
+        return cls(path if job is None else path / str(job))
+
+    @classmethod
+    def create(cls, root: str | Path, experiment: str, trial: str, job: int | None = None) -> RunDir:
+        run = cls.at(root, experiment, trial, job)
         for sub in (run.logs, run.registry, run.checkpoints):
             sub.mkdir(parents=True, exist_ok=True)
         return run
+
+    def earlier_run(self) -> str:
+        """What an earlier run left here, in words ("" if nothing): the last step it recorded, its checkpoints."""
+        metrics = self.path / "metrics.jsonl"
+        lines = metrics.read_text().splitlines() if metrics.is_file() else []
+        checkpoints = sorted(p.name for p in self.checkpoints.glob("step_*")) if self.checkpoints.is_dir() else []
+        said = [f"metrics.jsonl up to line {len(lines)}"] if lines else []
+        said += [f"checkpoints {', '.join(checkpoints)}"] if checkpoints else []
+        return "; ".join(said)
 
     @property
     def logs(self) -> Path:

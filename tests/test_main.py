@@ -59,10 +59,29 @@ def test_help_lists_the_groups_and_the_shorthand(main_cli):
     assert "sglang:d4t2+fsdp:d8" in result.stdout
 
 
-def test_multirun_with_the_basic_launcher_runs_the_job(main_cli, tmp_path):
-    result = main_cli("-m", "run.trial=swept", "run.dry_run=true")
+def test_multirun_with_the_basic_launcher_runs_each_job_in_its_own_directory(main_cli, tmp_path):
+    result = main_cli("-m", "run.trial=swept", "algorithm=grpo,dapo", "run.dry_run=true")
     assert result.returncode == 0, result.stderr
-    assert (tmp_path / "default" / "swept" / "config.yaml").is_file()
+    for num, algorithm in enumerate(["grpo", "dapo"]):
+        written = yaml.safe_load((tmp_path / "default" / "swept" / str(num) / "config.yaml").read_text())
+        assert written["algorithm"]["name"] == algorithm and written["run"]["trial"] == "swept"
+
+
+def test_a_directory_an_earlier_run_left_steps_in_is_refused_unless_it_resumes(main_cli, tmp_path):
+    run_dir = tmp_path / "default" / "used"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("the earlier run's\n")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (run_dir / "checkpoints" / "step_000002").mkdir(parents=True)
+    result = main_cli("run.trial=used", "run.dry_run=true")
+    assert result.returncode == 2, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.strip()]
+    assert line.startswith("hpcrl: config error: recover.mode='off' is invalid: expected auto to resume the run in")
+    assert str(run_dir) in line and "metrics.jsonl up to line 2; checkpoints step_000002" in line
+    assert "or a new run.trial" in line
+    assert (run_dir / "config.yaml").read_text() == "the earlier run's\n", "nothing of the earlier run is touched"
+    assert main_cli("run.trial=used", "run.dry_run=true", "recover.mode=auto").returncode == 0
+    assert main_cli("run.trial=fresh", "run.dry_run=true").returncode == 0
 
 
 def test_the_run_directory_config_loads_back_without_hydra(main_cli, tmp_path):

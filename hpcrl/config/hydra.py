@@ -35,17 +35,28 @@ def _whole_gib(gb: Any) -> int | None:
     return math.ceil(float(gb)) if float(gb) > 0 else None
 
 
-def _sbatch_options(lines: Any) -> dict[str, Any]:
-    """cluster.extra_sbatch (["--constraint=h100", "--exclusive"]) as the launcher's additional_parameters."""
-    from hpcrl.launch.slurm.resources import parse_extra_sbatch
+# the controller job's options the submitit plugin takes by name; every other option is additional_parameters
+_LAUNCHER_NAMED = {"partition": "partition", "account": "account", "qos": "qos", "constraint": "constraint"}
+_LAUNCHER_OWN = {"job-name", "nodes", "ntasks-per-node", "cpus-per-task", "time", "mem"}  # set by other fields
 
-    return parse_extra_sbatch(list(lines))
+
+def _controller_option(cluster: Any, name: str) -> Any:
+    """One option of the controller's job, from the one function that decides them (``controller_resources``, which
+    ``python -m hpcrl.sbatch controller`` renders too): ``partition``/``account``/``qos``/``constraint`` (None when
+    unset), or ``additional`` for every other sbatch option (``extra_sbatch`` merged over the cluster's)."""
+    from hpcrl.launch.slurm.scripts import controller_resources
+
+    cfg = OmegaConf.to_object(cluster) if isinstance(cluster, DictConfig) else cluster
+    options = controller_resources(cfg, "").sbatch_options()
+    if name == "additional":
+        return {k: v for k, v in options.items() if k not in _LAUNCHER_OWN and k not in _LAUNCHER_NAMED}
+    return options.get(_LAUNCHER_NAMED[name])
 
 
 # for conf/hydra/launcher: registered on import, which the submitting process and the job both do
 OmegaConf.register_new_resolver("hpcrl.first", _first_set, replace=True)
 OmegaConf.register_new_resolver("hpcrl.gib", _whole_gib, replace=True)
-OmegaConf.register_new_resolver("hpcrl.sbatch_options", _sbatch_options, replace=True)
+OmegaConf.register_new_resolver("hpcrl.controller", _controller_option, replace=True)
 OmegaConf.register_new_resolver("hpcrl.lines", lambda lines: "\n".join(lines), replace=True)
 
 

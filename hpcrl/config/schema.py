@@ -60,8 +60,11 @@ class RoleResources:
     cpus_per_worker: int = 1  # CPU cores per worker (Slurm --cpus-per-task)
     mem_gb: float = 0.0  # memory per node in GiB; 0 = the scheduler's default
     partition: str = ""  # Slurm partition for this role; "" = cluster.partition
+    account: str | None = None  # Slurm account for this role; null = cluster.account, "" = the user's default
+    qos: str | None = None  # Slurm QOS for this role; null = cluster.qos, "" = the partition's default
+    constraint: str | None = None  # Slurm --constraint (node features) for this role; null = cluster's, "" = none
     time_min: int = 0  # Slurm time limit for this role in minutes; 0 = cluster.time_min
-    extra_sbatch: list[str] = field(default_factory=list)  # extra sbatch options, e.g. "--constraint=h100"
+    extra_sbatch: list[str] = field(default_factory=list)  # sbatch options over cluster.extra_sbatch (same name: this)
     env: dict[str, str] = field(default_factory=dict)  # environment variables for this role's workers
     setup: list[str] = field(default_factory=list)  # shell lines run before this role's workers start
 
@@ -77,6 +80,10 @@ def _default_roles() -> dict[str, RoleResources]:
 @dataclass
 class ControllerJob:
     partition: str = ""  # partition of the controller job; "" = cluster.partition
+    account: str | None = None  # account of the controller job; null = cluster.account, "" = the user's default
+    qos: str | None = None  # QOS of the controller job; null = cluster.qos, "" = the partition's default
+    constraint: str | None = None  # --constraint of the controller job; null = cluster.constraint, "" = none
+    extra_sbatch: list[str] = field(default_factory=list)  # sbatch options over cluster.extra_sbatch (same name: this)
     time_min: int = 0  # time limit of the controller job in minutes; 0 = cluster.time_min
     cpus: int = 2  # CPU cores of the controller job
     mem_gb: float = 8.0  # memory of the controller job in GiB
@@ -96,7 +103,8 @@ class ClusterConfig:
     account: str = ""  # Slurm account; "" = the user's default
     qos: str = ""  # Slurm QOS; "" = the partition's default
     time_min: int = 60  # Slurm time limit of worker jobs in minutes
-    extra_sbatch: list[str] = field(default_factory=list)  # extra sbatch options for every job
+    constraint: str = ""  # Slurm --constraint (node features) of every job, e.g. h100; "" = none
+    extra_sbatch: list[str] = field(default_factory=list)  # extra sbatch options for every job; a role's win
     env: dict[str, str] = field(default_factory=dict)  # environment variables for every worker
     setup: list[str] = field(default_factory=list)  # shell lines run before every worker, e.g. module load
     roles: dict[str, RoleResources] = field(default_factory=_default_roles)  # per-role resources and timeouts

@@ -3,8 +3,9 @@ controller itself as one Slurm job, with the partition, time limit and CPUs of t
 ``controller`` (conf/hydra/launcher/submitit_slurm.yaml); with ``hydra/launcher=submitit_local`` the same
 command runs it on this machine. The submitting command waits for the job and exits with its outcome.
 
-The run directory is the same in the submitting process and in the job: the launcher makes it (the sweep
-directory, conf/config.yaml) and keeps the job's stdout and stderr in its ``.submitit/<job id>/``.
+The sweep directory ``<root>/<experiment>/<trial>`` is the same in the submitting process and in the jobs: the
+launcher makes it (conf/config.yaml) and keeps each job's stdout and stderr in its ``.submitit/<job id>/``;
+each job of the sweep runs in a run directory of its own beside that, ``<trial>/<job number>/``.
 
 With cluster=slurm_local the controller job submits its workers as Slurm jobs in turn (one heterogeneous job
 here); with cluster=local they are subprocesses inside the controller job.
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from hpcrl.config.hydra import register_schema
 from tests.config.compose import load
@@ -65,12 +67,17 @@ def experiment(job_prefix: str) -> str:
     return job_prefix.removeprefix("hpcrl-") + "ctl"
 
 
-def job_folder(run_dir: Path) -> Path:
-    """``<run dir>/.submitit/<job id>``: the controller job's pickles and logs."""
+def job_folders(sweep_dir: Path) -> list[Path]:
+    """``<sweep dir>/.submitit/<job id>``: the controller jobs' pickles and logs, in submission order."""
     # submitit also makes a folder named after its pattern (%j), which stays empty
-    folders = [p for p in (run_dir / ".submitit").iterdir() if p.is_dir() and p.name != "%j"]
-    assert len(folders) == 1, folders
-    return folders[0]
+    folders = [p for p in (sweep_dir / ".submitit").iterdir() if p.is_dir() and p.name != "%j"]
+    return sorted(folders, key=lambda p: [int(part) for part in re.findall(r"\d+", p.name)])
+
+
+def job_folder(sweep_dir: Path) -> Path:
+    """The one controller job's folder."""
+    (folder,) = job_folders(sweep_dir)
+    return folder
 
 
 def job_stdout(folder: Path) -> str:
@@ -143,7 +150,7 @@ def test_other_launchers_ignore_the_controller_job_settings():
     assert local["_target_"].endswith(".LocalLauncher") and "partition" not in local
 
 
-def test_the_sweep_directory_is_the_run_directory(tmp_path):
+def test_each_job_of_a_sweep_runs_in_its_own_directory_under_the_trial(tmp_path):
     register_schema()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(
@@ -151,8 +158,8 @@ def test_the_sweep_directory_is_the_run_directory(tmp_path):
             overrides=["hydra/launcher=submitit_slurm", f"run.root={tmp_path}", "run.experiment=exp"],
             return_hydra_config=True,
         )
-        sweep = cfg.hydra.sweep
-        assert Path(sweep.dir, sweep.subdir) == tmp_path / "exp" / cfg.run.trial
+        sweep = OmegaConf.to_container(cfg.hydra.sweep, resolve=False)
+        assert (cfg.hydra.sweep.dir, sweep["subdir"]) == (str(tmp_path / "exp" / cfg.run.trial), "${hydra.job.num}")
         assert re.fullmatch(r"\d{8}-\d{6}", cfg.run.trial)
 
 
@@ -167,12 +174,12 @@ def test_dry_run_as_a_slurm_job_with_the_cluster_groups_resources(slurm_cluster,
     assert result.returncode == 0, result.stderr[-4000:]
     print(f"dry run as a Slurm job: {time.monotonic() - started:.1f} s")
 
-    # one run directory, named by the timestamp run.trial got in the submitting process: the job used it too
-    (run_dir,) = (tmp_path / exp).iterdir()
-    assert re.fullmatch(r"\d{8}-\d{6}", run_dir.name), run_dir
-    written = yaml.safe_load((run_dir / "config.yaml").read_text())
-    assert written["run"]["trial"] == run_dir.name and written["cluster"]["name"] == "slurm_local"
-    folder = job_folder(run_dir)
+    # one sweep directory, named by the timestamp run.trial got in the submitting process: the job used it too
+    (sweep_dir,) = (tmp_path / exp).iterdir()
+    assert re.fullmatch(r"\d{8}-\d{6}", sweep_dir.name), sweep_dir
+    written = yaml.safe_load((sweep_dir / "0" / "config.yaml").read_text())
+    assert written["run"]["trial"] == sweep_dir.name and written["cluster"]["name"] == "slurm_local"
+    folder = job_folder(sweep_dir)
     assert yaml.safe_load(job_stdout(folder)) == written, "a dry run prints the config it writes"
 
     job_id = folder.name
@@ -207,8 +214,8 @@ def test_tiny_job_runs_inside_the_slurm_controller_job(slurm_cluster, job_prefix
     )
     assert result.returncode == 0, result.stderr[-4000:]
     print(f"tiny job as a Slurm job: {time.monotonic() - started:.1f} s")
-    run_dir = tmp_path / exp / "tiny"
-    folder = job_folder(run_dir)
+    run_dir = tmp_path / exp / "tiny" / "0"
+    folder = job_folder(run_dir.parent)
     summary = summary_in(job_stdout(folder))
     assert summary["steps"] == 3 and summary["run_dir"] == str(run_dir), summary
     assert (run_dir / "metrics.jsonl").is_file()
@@ -233,8 +240,8 @@ def test_tiny_job_through_the_submitit_launcher_with_its_workers_on_slurm(slurm_
     )
     assert result.returncode == 0, result.stderr[-4000:]
     print(f"tiny job through the launcher, workers on Slurm: {time.monotonic() - started:.1f} s")
-    run_dir = tmp_path / exp / "tiny"
-    folder = job_folder(run_dir)
+    run_dir = tmp_path / exp / "tiny" / "0"
+    folder = job_folder(run_dir.parent)
     summary = summary_in(job_stdout(folder))
     assert summary["steps"] == 3 and summary["run_dir"] == str(run_dir), summary
     controller = wait_for_job(folder.name)
@@ -257,9 +264,56 @@ def test_tiny_job_runs_as_a_local_controller_job(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-4000:]
     print(f"tiny job as a local job: {time.monotonic() - started:.1f} s")
-    run_dir = tmp_path / "default" / "tiny"
-    summary = summary_in(job_stdout(job_folder(run_dir)))
+    run_dir = tmp_path / "default" / "tiny" / "0"
+    summary = summary_in(job_stdout(job_folder(run_dir.parent)))
     assert summary["steps"] == 3 and summary["run_dir"] == str(run_dir), summary
+
+
+@pytest.mark.slow
+def test_a_two_point_sweep_on_the_local_launcher_gives_each_job_its_own_run(tmp_path):
+    result = submit(
+        tmp_path,
+        "hydra/launcher=submitit_local",
+        "run.trial=sweep",
+        "algorithm=grpo,dapo",
+        *TINY_JOB,
+        timeout_s=TINY_JOB_TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    sweep_dir = tmp_path / "default" / "sweep"
+    secrets = set()
+    for num, (folder, algorithm) in enumerate(zip(job_folders(sweep_dir), ["grpo", "dapo"], strict=True)):
+        run_dir = sweep_dir / str(num)
+        summary = summary_in(job_stdout(folder))
+        assert summary["steps"] == 3 and summary["run_dir"] == str(run_dir), summary
+        assert yaml.safe_load((run_dir / "config.yaml").read_text())["algorithm"]["name"] == algorithm
+        assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+        secrets.add((run_dir / "secret").read_text())
+    assert len(secrets) == 2, "each job has a run secret of its own"
+
+
+@pytest.mark.slurm
+def test_a_two_point_sweep_on_slurm_gives_each_job_its_own_directory(slurm_cluster, job_prefix, tmp_path):
+    exp = experiment(job_prefix)
+    overrides = [f"cluster.controller.partition={slurm_cluster.partition}", "cluster.controller.time_min=5"]
+    result = submit(
+        tmp_path,
+        "hydra/launcher=submitit_slurm",
+        *overrides,
+        f"run.experiment={exp}",
+        "run.trial=sweep",
+        "algorithm=grpo,dapo",
+        "run.dry_run=true",
+        timeout_s=DRY_RUN_TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    sweep_dir = tmp_path / exp / "sweep"
+    folders = job_folders(sweep_dir)
+    assert len(folders) == 2, folders
+    for num, (folder, algorithm) in enumerate(zip(folders, ["grpo", "dapo"], strict=True)):
+        written = yaml.safe_load((sweep_dir / str(num) / "config.yaml").read_text())
+        assert written["algorithm"]["name"] == algorithm and yaml.safe_load(job_stdout(folder)) == written
+        assert wait_for_job(folder.name)[folder.name]["State"] == "COMPLETED"
 
 
 @pytest.mark.parametrize("launcher", ["submitit_local", pytest.param("submitit_slurm", marks=pytest.mark.slurm)])
@@ -283,7 +337,7 @@ def test_a_failing_controller_job_fails_the_command_with_its_error(request, laun
     )
     assert result.returncode != 0
     assert f"hpcrl: the run failed (DataError): {missing}: does not exist" in result.stderr, result.stderr[-4000:]
-    folder = job_folder(tmp_path / exp / "fail")
+    folder = job_folder(tmp_path / exp / "fail")  # the sweep directory; the job's run directory is fail/0
     if launcher == "submitit_slurm":
         rows = wait_for_job(folder.name)
         assert rows[folder.name]["State"] == "FAILED", rows

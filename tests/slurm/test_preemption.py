@@ -52,18 +52,21 @@ def test_the_launcher_job_checkpoints_requeues_and_resumes_on_the_signal(slurm_c
     cmd += [f"cluster.controller.partition={slurm_cluster.partition}", "cluster.controller.time_min=15"]
     cmd += [f"run.root={tmp_path}", f"run.experiment={exp}", "run.trial=p", *RUN]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    run_dir = tmp_path / exp / "p"
+    sweep_dir = tmp_path / exp / "p"  # with -m: the job's run directory is p/0, the launcher's logs p/.submitit
+    run_dir = sweep_dir / "0"
     deadline = time.monotonic() + 120
-    while not (run_dir / ".submitit").is_dir() or not [p for p in (run_dir / ".submitit").iterdir() if p.name != "%j"]:
+    while not (sweep_dir / ".submitit").is_dir() or not [
+        p for p in (sweep_dir / ".submitit").iterdir() if p.name != "%j"
+    ]:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.3)
-    job_id = job_folder(run_dir).name
+    job_id = job_folder(sweep_dir).name
     signal_after_steps(job_id, run_dir, 3, lambda: proc.poll() is None, batch=False)
     _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-4000:]
     rows = wait_for_job(job_id, timeout_s=60)
     assert rows[job_id]["State"] == "COMPLETED", rows
-    out = "".join(p.read_text() for p in job_folder(run_dir).glob("*_0_log.out"))
+    out = "".join(p.read_text() for p in job_folder(sweep_dir).glob("*_0_log.out"))
     summary = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
     check_resumed(run_dir, summary)
 
@@ -73,16 +76,17 @@ def test_the_hand_submitted_controller_script_requeues_and_resumes(slurm_cluster
     script = tmp_path / "controller.sbatch"
     render = [sys.executable, "-m", "hpcrl.sbatch", "controller", "cluster=slurm_local", f"run.experiment={exp}"]
     subprocess.run([*render, "--write", str(script)], check=True, timeout=120, capture_output=True)
-    args = ["cluster=local", f"run.root={tmp_path}", "run.trial=p", *RUN]
+    args = ["cluster=local", f"run.root={tmp_path}", *RUN]  # no run.trial: the script names it after its job
     submitted = subprocess.run(
         ["sbatch", "--parsable", str(script), *args], cwd=tmp_path, capture_output=True, text=True, timeout=60
     )
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip().split(";")[0]
-    run_dir = tmp_path / exp / "p"
+    run_dir = tmp_path / exp / f"slurm-{job_id}"  # the requeued job keeps its id, and so its run directory
     signal_after_steps(job_id, run_dir, 3, lambda: True, batch=True)
     rows = wait_for_job(job_id, timeout_s=400)
     output = (tmp_path / f"hpcrl-{job_id}.out").read_text()
     assert rows[job_id]["State"] == "COMPLETED", (rows, output[-3000:])
     summary = json.loads([line for line in output.splitlines() if line.startswith("{")][-1])
     check_resumed(run_dir, summary)
+    assert summary["run_dir"] == str(run_dir) and [p.name for p in (tmp_path / exp).iterdir()] == [run_dir.name]

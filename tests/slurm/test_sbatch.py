@@ -9,6 +9,7 @@ hetjob a dead server restarts as a new srun step (``inference.on_server_exit=res
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -22,8 +23,14 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
+from hpcrl.config.checks import check_cluster
 from hpcrl.config.hydra import register_schema
+from hpcrl.config.schema import ClusterConfig
+from hpcrl.doctor.testonly import job_script, sbatch_test_only
+from hpcrl.launch.base import RoleSpec
 from hpcrl.launch.registry import Registry
+from hpcrl.launch.slurm.resources import role_resources
+from hpcrl.launch.slurm.scripts import controller_resources
 from hpcrl.sbatch import render
 from tests.conftest import CONF_DIR, REPO
 from tests.slurm.conftest import sacct, wait_for_job
@@ -52,10 +59,18 @@ def options(script: str) -> list[dict[str, str]]:
     return components
 
 
-def command(script: str) -> list[str]:
-    """The argv of the script's ``exec`` line, as bash would run it with no script arguments."""
+def command(script: str, job_id: str = "42") -> list[str]:
+    """The argv of the script's ``exec`` line, as bash runs it in job ``job_id`` with no script arguments."""
     (line,) = [line for line in script.splitlines() if line.startswith("exec ")]
-    return shlex.split(line.removeprefix("exec ").replace(' "$@"', ""))
+    printf = line.replace("exec ", r"printf '%s\0' ", 1)  # each argument, NUL-terminated
+    out = subprocess.run(
+        ["bash", "-c", "set --; " + printf],
+        env={**os.environ, "SLURM_JOB_ID": job_id},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return out.split("\0")[:-1]
 
 
 @pytest.mark.parametrize("kind", sorted(COMMITTED))
@@ -73,7 +88,7 @@ def test_the_hetjob_script_has_the_controller_then_each_role():
     hetjob_controller = options(COMMITTED["hetjob"].read_text())[0]
     assert hetjob_controller == controller
     assert (server["job-name"], trainer["job-name"]) == ("hpcrl-default-server", "hpcrl-default-trainer")
-    assert command(COMMITTED["hetjob"].read_text())[-1] == "cluster.submit_mode=steps"
+    assert command(COMMITTED["hetjob"].read_text())[-2:] == ["cluster.submit_mode=steps", "run.trial=slurm-42"]
 
 
 def test_overrides_with_spaces_and_quotes_reach_the_controller_intact(tmp_path):
@@ -82,7 +97,16 @@ def test_overrides_with_spaces_and_quotes_reach_the_controller_intact(tmp_path):
     script = render("hetjob", ["cluster=slurm_local", f"run.root={root}"], python=sys.executable)
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     expected = [sys.executable, "-m", "hpcrl.main", "cluster=slurm_local", f"run.root={root}"]
-    assert command(script) == [*expected, "cluster.submit_mode=steps"]
+    assert command(script) == [*expected, "cluster.submit_mode=steps", "run.trial=slurm-42"]
+
+
+def test_the_run_directory_is_named_after_the_job_unless_run_trial_is_given():
+    """A requeued job keeps its id: the same run.trial, so it finds its checkpoint (tests/slurm/test_preemption.py)."""
+    assert (
+        command(render("controller", ["cluster=slurm_local"], python="python"), job_id="7")[-1] == "run.trial=slurm-7"
+    )
+    pinned = command(render("controller", ["cluster=slurm_local", "run.trial=mine"], python="python"))
+    assert [arg for arg in pinned if arg.startswith("run.trial=")] == ["run.trial=mine"]
 
 
 def launcher_options(*overrides: str) -> dict[str, str]:
@@ -115,6 +139,25 @@ def test_the_controller_script_asks_for_what_the_submitit_launcher_submits():
     assert "echo ready" in render("controller", overrides, python="python")
 
 
+def test_the_controller_and_each_role_take_their_own_sbatch_settings_over_the_cluster_s():
+    overrides = ["cluster=slurm_local", "cluster.account=acct", "cluster.constraint=h100", "run.experiment=exp"]
+    overrides += [
+        'cluster.extra_sbatch=["--exclusive","--comment=all"]',
+        'cluster.controller.extra_sbatch=["--comment=ctl"]',
+    ]
+    overrides += ['cluster.controller.constraint=""', "cluster.controller.account=ctl", "cluster.controller.qos=low"]
+    overrides += ["cluster.roles.trainer.constraint=a100", 'cluster.roles.trainer.extra_sbatch=["--comment=train"]']
+    ours = options(render("controller", overrides, python="python"))[0]
+    theirs = launcher_options(*overrides)
+    assert "constraint" not in ours and "constraint" not in theirs, "the controller asked for no feature"
+    for sbatch in (ours, theirs):
+        assert (sbatch["account"], sbatch["qos"], sbatch["comment"], sbatch["exclusive"]) == ("ctl", "low", "ctl", "")
+    controller, server, trainer = options(render("hetjob", overrides, python="python"))
+    assert "constraint" not in controller and (controller["account"], controller["comment"]) == ("ctl", "ctl")
+    assert (server["constraint"], server["account"], server["comment"]) == ("h100", "acct", "all")
+    assert (trainer["constraint"], trainer["account"], trainer["comment"]) == ("a100", "acct", "train")
+
+
 def test_dry_run_prints_the_script_and_command_and_submits_nothing(tmp_path):
     result = sbatch_cli("hetjob", "--dry-run", "cluster=slurm_local", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -130,6 +173,33 @@ def test_a_bad_config_exits_2_before_anything_is_written(tmp_path):
     result = sbatch_cli("controller", "cluster=local", cwd=tmp_path)
     assert result.returncode == 2 and "cluster.kind" in result.stderr, result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def site_file_example(**changes: object) -> ClusterConfig:
+    """The site file docs/slurm.md shows, with ``changes`` (what a test cluster lacks) applied."""
+    (text,) = re.findall(
+        r"```yaml\n# conf/cluster/mysite.yaml\n(.*?)```", (REPO / "docs" / "slurm.md").read_text(), re.S
+    )
+    example = OmegaConf.merge(OmegaConf.structured(ClusterConfig), OmegaConf.create(text), changes)
+    cluster = OmegaConf.to_object(example)
+    check_cluster(cluster)
+    return cluster
+
+
+@pytest.mark.slurm
+def test_the_site_file_in_the_docs_renders_a_controller_job_slurm_can_schedule(slurm_cluster, tmp_path):
+    """The site file's workers ask for an h100 feature that the controller's CPU partition lacks (here: no node
+    has it): the controller job must not ask for it, or Slurm could never start it."""
+    partition = slurm_cluster.partition  # the test cluster's one partition stands in for gpu and cpu
+    cluster = site_file_example(partition=partition, account="", controller={"partition": partition})
+    controller = controller_resources(cluster, "hpcrl-site-controller")
+    assert "constraint" not in controller.sbatch_options() and cluster.constraint == "h100"
+    result = sbatch_test_only("sbatch controller", job_script(controller, []))
+    assert result.status == "ok", result
+    # the workers do ask for it: on this cluster, where no node has it, sbatch refuses them
+    trainer = role_resources(RoleSpec("trainer", ["true"], workers=1, cpus_per_worker=1), cluster, "hpcrl-site-trainer")
+    assert trainer.sbatch_options()["constraint"] == "h100"
+    assert sbatch_test_only("sbatch trainer", job_script(trainer, [])).status == "fail"
 
 
 def submit_by_hand(kind: str, workdir: Path, experiment: str, *args: str) -> str:

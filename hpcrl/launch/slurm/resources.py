@@ -38,6 +38,7 @@ class JobResources:
     partition: str = ""  # --partition; "" = the site's default
     account: str = ""  # --account; "" = the user's default
     qos: str = ""  # --qos; "" = the partition's default
+    constraint: str = ""  # --constraint (node features); "" = none
     extra_sbatch: tuple[str, ...] = ()  # more options, "--name=value" or "--flag"; they win over the above
     setup: tuple[str, ...] = ()  # shell lines run before this role's workers start
 
@@ -54,7 +55,7 @@ class JobResources:
             options["gpus-per-node"] = str(self.gpus_per_node)
         if self.mem_gb:
             options["mem"] = _mem(self.mem_gb)
-        for name in ("partition", "account", "qos"):
+        for name in ("partition", "account", "qos", "constraint"):
             if getattr(self, name):
                 options[name] = getattr(self, name)
         options.update(parse_extra_sbatch(self.extra_sbatch))
@@ -93,11 +94,17 @@ def role_resources(spec: RoleSpec, cluster: ClusterConfig, job_name: str) -> Job
         mem_gb=role.mem_gb,
         time_min=time_min,
         partition=role.partition or cluster.partition,
-        account=cluster.account,
-        qos=cluster.qos,
-        extra_sbatch=(*cluster.extra_sbatch, *role.extra_sbatch),
+        account=own(role.account, cluster.account),
+        qos=own(role.qos, cluster.qos),
+        constraint=own(role.constraint, cluster.constraint),
+        extra_sbatch=(*cluster.extra_sbatch, *role.extra_sbatch),  # an option the role names again: the role's
         setup=tuple(role.setup),
     )
+
+
+def own(value: str | None, cluster_wide: str) -> str:
+    """A role's (or the controller's) own setting, else the cluster's: None means "the cluster's", "" "none"."""
+    return cluster_wide if value is None else value
 
 
 def role_settings(spec: RoleSpec, cluster: ClusterConfig) -> RoleResources:

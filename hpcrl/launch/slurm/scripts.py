@@ -6,8 +6,10 @@
     run_hetjob_script   the whole run as ONE heterogeneous job: component 0 the controller, 1..R the roles,
                         whose workers it starts as srun steps (cluster.submit_mode=steps, steps.py)
 
-Both run ``python -m hpcrl.main <overrides> "$@"``, so ``sbatch script.sbatch key=value ...`` adds overrides;
-their own output goes to ``hpcrl-<job id>.out`` in the directory sbatch ran in (Slurm makes no folders, and
+Both run ``python -m hpcrl.main <overrides> run.trial="slurm-$SLURM_JOB_ID" "$@"``, so ``sbatch script.sbatch
+key=value ...`` adds overrides, and the run directory is named after the job unless ``run.trial`` is given
+(at render or submission): a requeued job keeps its id, so it finds its directory and resumes there.
+Their own output goes to ``hpcrl-<job id>.out`` in the directory sbatch ran in (Slurm makes no folders, and
 the run directory does not exist before the job starts). The roles' components are rendered with the same
 ``role_resources`` and ``sbatch_lines`` as ``hetjob`` mode (hetjob.py). The roles come in as ``RoleSpec``s:
 which roles a run has is decided above ``launch/`` (``hpcrl/controller/roles.py``, called by ``hpcrl.sbatch``).
@@ -21,14 +23,16 @@ from pathlib import Path
 
 from hpcrl.config.schema import ClusterConfig
 from hpcrl.launch.base import RoleSpec
-from hpcrl.launch.slurm.resources import JobResources, role_resources, sbatch_lines
+from hpcrl.launch.slurm.resources import JobResources, own, role_resources, sbatch_lines
 
+TRIAL_KEY = "run.trial"  # the run directory's last part; the script names it after its job unless told
 OUTPUT = "hpcrl-%j.out"  # the batch script's own output, in the directory sbatch ran in
 OPEN_MODE = "append"  # a requeued job adds to its output rather than replacing it
 
 
 def controller_resources(cluster: ClusterConfig, name: str) -> JobResources:
-    """The controller's job: one task on one node, sized by ``cluster.controller``."""
+    """The controller's job: one task on one node, sized by ``cluster.controller``, whose partition, account,
+    qos, constraint and extra sbatch options win over the cluster's (a CPU partition has no GPU features)."""
     ctl = cluster.controller
     return JobResources(
         name=name,
@@ -38,9 +42,10 @@ def controller_resources(cluster: ClusterConfig, name: str) -> JobResources:
         mem_gb=ctl.mem_gb,
         time_min=ctl.time_min or cluster.time_min,
         partition=ctl.partition or cluster.partition,
-        account=cluster.account,
-        qos=cluster.qos,
-        extra_sbatch=tuple(cluster.extra_sbatch),
+        account=own(ctl.account, cluster.account),
+        qos=own(ctl.qos, cluster.qos),
+        constraint=own(ctl.constraint, cluster.constraint),
+        extra_sbatch=(*cluster.extra_sbatch, *ctl.extra_sbatch),
     )
 
 
@@ -85,7 +90,11 @@ def _header(kind: str, what: str, overrides: Sequence[str]) -> list[str]:
 
 
 def _script(head: list[str], cluster: ClusterConfig, overrides: Sequence[str], python: str) -> str:
-    command = shlex.join([python, "-m", "hpcrl.main", *overrides]) + ' "$@"'
+    command = shlex.join([python, "-m", "hpcrl.main", *overrides])
+    if not any(o.lstrip("+~").split("=", 1)[0] == TRIAL_KEY for o in overrides):
+        # the job id survives a requeue: the requeued job finds its own run directory and resumes there
+        command += f' {TRIAL_KEY}="slurm-$SLURM_JOB_ID"'
+    command += ' "$@"'
     setup = ["", "# cluster.setup", *cluster.setup] if cluster.setup else []
     return "\n".join([*head, *setup, "", f"exec {command}", ""])
 
