@@ -11,7 +11,8 @@
 # Every node is a host of its own on the network, as on a real cluster: it runs in its own network
 # namespace (hpcrl-nK) and UTS namespace (host name nK), with its own loopback and its own addresses,
 # 198.51.100.(10+K)/24 and fd51:51::(10+K)/64 (documentation and unique-local ranges), on a veth pair
-# joined to the bridge hpcrl-br0, where this host is 198.51.100.1 and fd51:51::1. slurmd runs inside
+# joined to the bridge hpcrl0, where this host is 198.51.100.1 and fd51:51::1 (the interface is hpcrl0 in
+# every node too, as a cluster network's interface has one name on every host). slurmd runs inside
 # the namespaces, so every job step does too: a job on n1 sees only n1's addresses, and its 127.0.0.1 is
 # n1's alone. The control daemons (slurmctld, slurmdbd) stay on this host, reachable from every node at
 # 198.51.100.1. The namespaces have no default route and nothing is forwarded: no packet leaves this
@@ -51,7 +52,10 @@ readonly POLICY_RC=/usr/sbin/policy-rc.d
 readonly CTLD_PORT=6817
 readonly DBD_PORT=6819
 readonly NODE_PORT=6818 # every slurmd listens on Slurm's default port, each in its own namespace
-readonly BRIDGE=hpcrl-br0
+# the cluster network's interface has one name on every host, as ib0 would on a real cluster (so that
+# cluster.net.interface=hpcrl0 names it everywhere): the bridge on this host, the veth in each node
+readonly NIC=hpcrl0
+readonly BRIDGE=$NIC
 readonly NET4=198.51.100 # node nK is $NET4.(10+K); this host, on the bridge, is $NET4.1
 readonly NET6=fd51:51:    # node nK is ${NET6}:(10+K); this host is ${NET6}:1
 readonly HOST4=$NET4.1
@@ -295,14 +299,14 @@ start_network() {
       die "a network namespace named $ns exists that $PROG did not make"
     fi
     if ! ip link show "$veth" >/dev/null 2>&1; then
-      ip link add "$veth" type veth peer name eth0 netns "$ns"
+      ip link add "$veth" type veth peer name "$NIC" netns "$ns"
       record "$veth"
     fi
     ip link set "$veth" master "$BRIDGE" up
     ip -n "$ns" link set lo up
-    ip -n "$ns" addr replace "$(node_addr4 "$n")/24" dev eth0
-    ip -n "$ns" addr replace "$(node_addr6 "$n")/64" dev eth0 nodad
-    ip -n "$ns" link set eth0 up
+    ip -n "$ns" addr replace "$(node_addr4 "$n")/24" dev "$NIC"
+    ip -n "$ns" addr replace "$(node_addr6 "$n")/64" dev "$NIC" nodad
+    ip -n "$ns" link set "$NIC" up
   done
   say "network: $BRIDGE $HOST4, nodes $(node_addr4 n1)..$(node_addr4 "n$NODES") (and ${NET6}:11..), a namespace each"
 }
@@ -614,7 +618,7 @@ cmd_status() {
   done < <(daemons)
   for d in $(node_names); do
     if [ -e "/run/netns/$(netns_of "$d")" ]; then
-      printf '%-12s %s\n' "$d" "$(in_node "$d" ip -br addr show eth0 2>/dev/null | awk '{ $1 = $2 = ""; print }')"
+      printf '%-12s %s\n' "$d" "$(in_node "$d" ip -br addr show "$NIC" 2>/dev/null | awk '{ $1 = $2 = ""; print }')"
     else
       printf '%-12s no network namespace\n' "$d"
       all=1

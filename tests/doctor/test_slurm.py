@@ -32,7 +32,16 @@ def test_the_network_check_runs_over_ipv6(slurm_cluster, job_prefix, tmp_path):
     doctor = run_doctor("cluster=slurm_local", f"run.root={tmp_path}", "cluster.net.family=ipv6", "--job-prefix",
                         job_prefix)  # fmt: skip
     assert doctor.status("network") == "ok", doctor.stdout
-    assert f"[{discover_host('ipv6')}]:" in doctor.lines["network"]
+    assert f"[{discover_host('ipv6', 'hpcrl0')}]:" in doctor.lines["network"]  # slurm_local's interface
+
+
+def test_an_address_that_is_loopback_on_the_nodes_fails_the_network_check(slurm_cluster, job_prefix, tmp_path):
+    """Every node is a host of its own: 127.0.0.1 on a node is that node, so the probe cannot reach this machine."""
+    doctor = run_doctor("cluster=slurm_local", f"run.root={tmp_path}", "cluster.net.advertise_host=127.0.0.1",
+                        "--job-prefix", job_prefix)  # fmt: skip
+    assert doctor.status("network") == "fail", doctor.stdout
+    assert "cannot reach the controller at 127.0.0.1:" in doctor.lines["network"], doctor.lines["network"]
+    assert "set cluster.net.interface" in doctor.lines["network"]
 
 
 def test_a_partition_that_does_not_exist_fails_every_sbatch_line(slurm_cluster, job_prefix, tmp_path):
