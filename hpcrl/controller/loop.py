@@ -32,7 +32,7 @@ from hpcrl.inference.client import InferenceClient
 from hpcrl.reward.outcome import RewardError
 from hpcrl.rollout.executor import RolloutExecutor
 from hpcrl.rollout.workflows import make_workflow
-from hpcrl.rollout.workflows.base import Group
+from hpcrl.rollout.workflows.base import Group, derive_seed
 from hpcrl.rpc.messages import SequenceData
 
 if TYPE_CHECKING:  # types only: importing these here would add the reward pool and RPC to every loop import
@@ -254,7 +254,7 @@ class Loop:
             episode = self._remote_episode
         else:
             workflow = make_workflow(cfg, self.w.client, self.tokenizer, self.w.rewards, self.resumed)
-            episode = lambda row: workflow.run(row["prompt"], row["answer"])  # noqa: E731
+            episode = lambda row: workflow.run(row["prompt"], row["answer"], seed=self._seed(row))  # noqa: E731
         return RolloutExecutor(
             episode,
             self.rows,
@@ -265,6 +265,10 @@ class Loop:
             classify=_episode_error_cause,
             max_rejected_in_a_row=cfg.rollout.max_rejected_in_a_row,
         )
+
+    def _seed(self, row: dict[str, Any]) -> int | None:
+        """The episode's seed, which every request's sampling seed derives from: run.seed and the row's draw."""
+        return derive_seed(self.cfg.run.seed, "draw", row["draw"]) if "draw" in row else None
 
     async def _remote_episode(self, row: dict[str, str]) -> Group:
         """One episode on a rollout worker; one lost with its worker runs again on the others (none left: fail)."""

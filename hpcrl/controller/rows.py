@@ -8,6 +8,10 @@ The rollout draws ahead of training: at a checkpoint, some drawn rows are still 
 accepted, for a later batch (the executor's ``unbatched_rows``). The saved state keeps them as ``replay``: a resumed
 run draws them first, then goes on from the position, so it trains on the rows an uninterrupted run would have
 trained on, none skipped and none twice.
+
+Each row drawn is a copy with its draw number added (``"draw"``), which a replayed row keeps: the rollout derives
+the episode's sampling seed from it (``run.seed``, the draw), so a resumed run samples a row as it was sampled
+before, and two epochs sample the same row differently.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ class TrainingRows:
     def __next__(self) -> Row:
         if self.replay:
             return self.replay.popleft()
-        row = self.row_at(self.drawn)
+        row = {**self.row_at(self.drawn), "draw": self.drawn}
         self.drawn += 1
         return row
 

@@ -90,8 +90,12 @@ def resumed_step(stderr: str) -> int:
 
 
 @pytest.mark.slow
-def test_a_run_killed_at_random_steps_resumes_to_its_budget(tmp_path):
-    seed = int(os.environ.get("HPCRL_KILL_SEED", time.time_ns() % 100_000))
+@pytest.mark.parametrize("seed", [58339, None], ids=["seed-58339", "random"])
+def test_a_run_killed_at_random_steps_resumes_to_its_budget(tmp_path, seed):
+    # 58339 once lost step 4's line: its checkpoint was complete before the line was written (kept as a case of
+    # its own; test_a_run_killed_the_moment_a_checkpoint_is_complete_keeps_that_steps_line aims at that moment)
+    if seed is None:
+        seed = int(os.environ.get("HPCRL_KILL_SEED", time.time_ns() % 100_000))
     rng = random.Random(seed)
     trial, run_dir = "killed", tmp_path / "default" / "killed"
     expected_start, logged = 0, 0  # the step the next attempt resumes from; the last step logged before the kill
@@ -132,3 +136,58 @@ def test_an_interrupted_checkpoint_is_skipped_for_the_one_before(tmp_path):
     # checkpoint.keep=2: once step 6 is complete, step 2 goes
     assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_000004", "step_000006"]
     assert (checkpoints / "latest").read_text() == "step_000006\n"
+
+
+@pytest.mark.slow
+def test_a_run_killed_the_moment_a_checkpoint_is_complete_keeps_that_steps_line(tmp_path):
+    # the controller is killed as soon as step 4's controller.json appears (polled every 0.5 ms, SIGKILL to it
+    # at once): before the fix the step's metrics line came after it, and the resumed run, which keeps the
+    # lines up to the checkpoint's step, went on at step 5 without one for step 4
+    trial, run_dir = "at-publish", tmp_path / "default" / "at-publish"
+    cmd = [sys.executable, "-m", "hpcrl.main", f"run.root={tmp_path}", f"run.trial={trial}", *SMALL, "run.max_steps=8"]
+    marker = run_dir / "checkpoints" / "step_000004" / "controller.json"
+    log = tmp_path / "attempt.err"
+    with log.open("w") as err:
+        job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        try:
+            wait_until(marker.exists, job, log, "step 4's checkpoint", poll_s=0.0005)
+            os.killpg(job.pid, signal.SIGKILL)  # the controller leads its session: nothing more of it runs
+        finally:
+            kill_run(job, run_dir)
+    assert 4 in steps_logged(run_dir), "a complete checkpoint of step 4, and no line for step 4"
+    summary = summary_of(run_job(tmp_path, f"run.trial={trial}", *SMALL, "run.max_steps=6"))
+    assert (summary["steps"], summary["resumed_from_step"]) == (6, 4)
+    assert [r["step"] for r in metrics_of(run_dir)] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.slow
+def test_a_newest_checkpoint_with_its_trainer_state_cut_short_resumes_from_the_one_before(tmp_path):
+    trial, run_dir = "cut", tmp_path / "default" / "cut"
+    assert summary_of(run_job(tmp_path, f"run.trial={trial}", "run.max_steps=4", *SMALL))["steps"] == 4
+    checkpoints = run_dir / "checkpoints"
+    tensors = max((checkpoints / "step_000004").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    tensors.write_bytes(tensors.read_bytes()[:1000])  # a node crash before the data reached the disk
+    (checkpoints / "step_000002" / "trainer_state.json").unlink()  # and the older one lost its state: none usable
+
+    result = run_job(tmp_path, f"run.trial={trial}", *SMALL, "run.max_steps=6")
+    summary = summary_of(result)
+    assert (summary["steps"], summary.get("resumed_from_step")) == (6, None), "nothing usable: a fresh start"
+    assert (
+        f"checkpoint step_000004 cannot be resumed from: the tensor file {tensors.name} is cut short" in result.stderr
+    )
+    assert "checkpoint step_000002 cannot be resumed from: trainer_state.json is missing" in result.stderr
+
+    # now only the newest is damaged, its trainer state deleted: the run goes on from the one before
+    shutil.rmtree(checkpoints / "step_000004.broken")
+    (checkpoints / "step_000006" / "trainer_state.json").unlink()
+    summary = summary_of(run_job(tmp_path, f"run.trial={trial}", *SMALL, "run.max_steps=8"))
+    assert (summary["steps"], summary["resumed_from_step"]) == (8, 4)
+    assert [r["step"] for r in metrics_of(run_dir)] == list(range(1, 9))
+    names = sorted(p.name for p in checkpoints.iterdir())
+    assert names == [
+        "latest",
+        "step_000002.broken",
+        "step_000006",
+        "step_000006.broken",
+        "step_000008",
+    ]

@@ -2,10 +2,16 @@
 ``Workflow`` and ``Rewarder`` interfaces, and the sampling parameters every rollout request sends.
 
 Every generated token carries the weight version of the server that produced it (``version_number``).
+
+Seeds: an episode may get a seed (the controller derives one from ``run.seed`` and the row's draw number);
+every request it sends then carries SGLang's ``sampling_params.sampling_seed``, derived from it and where the
+request is in the episode (``derive_seed``: the sample's index, the turn, the tokens already generated), so
+the same seed and the same weights give the same samples.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -54,7 +60,7 @@ class Workflow(Protocol):
     arguments and locals), never in attributes of the workflow.
     """
 
-    async def run(self, prompt: str, answer: str) -> Group: ...
+    async def run(self, prompt: str, answer: str, seed: int | None = None) -> Group: ...
 
 
 def sampling_params(rollout: Any) -> dict[str, Any]:
@@ -68,6 +74,15 @@ def sampling_params(rollout: Any) -> dict[str, Any]:
     if rollout.stop:
         params["stop"] = list(rollout.stop)
     return params
+
+
+def derive_seed(seed: int | None, *parts: object) -> int | None:
+    """A seed in [0, 2**63) for a part of what ``seed`` seeds (a sample, a turn, a request), the same in every
+    process and run (not Python's salted ``hash``); None stays None (no seed: the server's own randomness)."""
+    if seed is None:
+        return None
+    digest = hashlib.blake2b("/".join(map(str, (seed, *parts))).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
 
 
 def version_number(weight_version: Any) -> int:

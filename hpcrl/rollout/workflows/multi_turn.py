@@ -24,7 +24,7 @@ import logging
 from typing import Any
 
 from hpcrl.inference.client import InferenceClient
-from hpcrl.rollout.workflows.base import Group, Rewarder, Sample
+from hpcrl.rollout.workflows.base import Group, Rewarder, Sample, derive_seed
 from hpcrl.rollout.workflows.single_turn import SingleTurn
 
 log = logging.getLogger(__name__)
@@ -93,14 +93,16 @@ class MultiTurn:
         self.max_turns, self.turn_discount = max_turns, turn_discount
         self.feedback_ids = tuple(feedback_ids(tokenizer, feedback))  # shared by episodes, so immutable
 
-    async def run(self, prompt: str, answer: str) -> Group:
+    async def run(self, prompt: str, answer: str, seed: int | None = None) -> Group:
         prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         group = Group(prompt, answer, prompt_ids)
-        trajectories = (self.trajectory(prompt, answer, prompt_ids) for _ in range(self.group_size))
+        trajectories = (
+            self.trajectory(prompt, answer, prompt_ids, derive_seed(seed, "sample", i)) for i in range(self.group_size)
+        )
         group.samples = list(await asyncio.gather(*trajectories))
         return group
 
-    async def trajectory(self, prompt: str, answer: str, prompt_ids: list[int]) -> Sample:
+    async def trajectory(self, prompt: str, answer: str, prompt_ids: list[int], seed: int | None = None) -> Sample:
         """Turns until a right answer, the turn limit or a failed reward; the sample holds them all."""
         out: list[int] = []
         logprobs: list[float] = []
@@ -113,7 +115,7 @@ class MultiTurn:
                 logprobs += [0.0] * n
                 versions += [-1] * n
                 mask += [0] * n
-            turn = await self.turn.sample(prompt_ids + out)
+            turn = await self.turn.sample(prompt_ids + out, derive_seed(seed, "turn", turns))
             out += turn.output_ids
             logprobs += turn.logprobs
             versions += turn.versions

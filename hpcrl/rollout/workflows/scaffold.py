@@ -44,14 +44,14 @@ import logging
 import math
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from hpcrl.config.schema import Config, WorkflowConfig
 from hpcrl.inference.client import InferenceClient
 from hpcrl.reward.builtin import extract_answer
 from hpcrl.reward.pool import RewardPool
-from hpcrl.rollout.workflows.base import Group, Rewarder, Sample
+from hpcrl.rollout.workflows.base import Group, Rewarder, Sample, derive_seed
 from hpcrl.rollout.workflows.single_turn import SingleTurn
 
 __all__ = [
@@ -74,15 +74,17 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Episode:
-    """One episode's data, all of it: what the model is asked, the reference answer, the prompt's tokens."""
+    """One episode's data, all of it: what the model is asked, the reference answer, the prompt's tokens, and
+    the seed its requests' sampling seeds derive from (None: none)."""
 
     prompt: str
     answer: str
     prompt_ids: tuple[int, ...]
+    seed: int | None = None
 
     @classmethod
-    def of(cls, prompt: str, answer: str, tokenizer: Any) -> Episode:
-        return cls(prompt, answer, tuple(tokenizer(prompt, add_special_tokens=False)["input_ids"]))
+    def of(cls, prompt: str, answer: str, tokenizer: Any, seed: int | None = None) -> Episode:
+        return cls(prompt, answer, tuple(tokenizer(prompt, add_special_tokens=False)["input_ids"]), seed)
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,7 @@ class Generate:
         self._single = SingleTurn(client, tokenizer, sampling, 1, None, resumed)  # type: ignore[arg-type]
 
     async def run(self, episode: Episode) -> Result:
-        sample = await self._single.sample(list(episode.prompt_ids))
+        sample = await self._single.sample(list(episode.prompt_ids), episode.seed)
         return Result(sample.text, sample, (sample,))
 
 
@@ -177,10 +179,11 @@ class Pipeline:
         path = _unsampled([])  # the chosen path so far, after the episode's prompt
         dead_ends: list[Sample] = []
         previous = ""
-        for stage in self.stages:
+        for k, stage in enumerate(self.stages):
             rendered = stage.render(episode.prompt, previous)
             path = _join(path, _unsampled(self._new_ids(rendered, episode.prompt, path)))
-            stage_episode = Episode(rendered, episode.answer, episode.prompt_ids + tuple(path.output_ids))
+            ids = episode.prompt_ids + tuple(path.output_ids)
+            stage_episode = Episode(rendered, episode.answer, ids, derive_seed(episode.seed, "stage", k))
             result = await stage.controller.run(stage_episode)
             dead_ends += [_join(path, s) for s in result.samples if s is not result.chosen]
             path = _join(path, result.chosen)
@@ -195,7 +198,8 @@ class Pipeline:
 
 
 async def _runs(inner: Controller, episode: Episode, n: int) -> list[Result]:
-    return list(await asyncio.gather(*(inner.run(episode) for _ in range(n))))
+    runs = (inner.run(replace(episode, seed=derive_seed(episode.seed, "run", i))) for i in range(n))
+    return list(await asyncio.gather(*runs))
 
 
 def _choose(results: list[Result], scores: list[float | None]) -> Result:
@@ -268,8 +272,8 @@ class ScaffoldWorkflow:
         self.runs, self.train_on = runs, train_on
         self._close = weakref.finalize(self, _close_pools, list(pools))
 
-    async def run(self, prompt: str, answer: str) -> Group:
-        episode = Episode.of(prompt, answer, self.tokenizer)
+    async def run(self, prompt: str, answer: str, seed: int | None = None) -> Group:
+        episode = Episode.of(prompt, answer, self.tokenizer, seed)
         results = await _runs(self.controller, episode, self.runs)
         chosen = self.train_on == "chosen"
         samples = [r.chosen for r in results] if chosen else [s for r in results for s in r.samples]

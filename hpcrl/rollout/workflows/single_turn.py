@@ -11,7 +11,7 @@ import asyncio
 from typing import Any
 
 from hpcrl.inference.client import InferenceClient
-from hpcrl.rollout.workflows.base import Group, Rewarder, Sample, version_number
+from hpcrl.rollout.workflows.base import Group, Rewarder, Sample, derive_seed, version_number
 
 
 class SingleTurn:
@@ -31,17 +31,19 @@ class SingleTurn:
         self.client, self.tokenizer, self.sampling = client, tokenizer, sampling
         self.group_size, self.rewards, self.resumed = group_size, rewards, resumed
 
-    async def run(self, prompt: str, answer: str) -> Group:
+    async def run(self, prompt: str, answer: str, seed: int | None = None) -> Group:
         prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         group = Group(prompt, answer, prompt_ids)
-        group.samples = list(await asyncio.gather(*(self.sample(prompt_ids) for _ in range(self.group_size))))
+        samples = (self.sample(prompt_ids, derive_seed(seed, "sample", i)) for i in range(self.group_size))
+        group.samples = list(await asyncio.gather(*samples))
         outcomes = await self.rewards.score([(prompt, s.text, answer) for s in group.samples])
         for sample, outcome in zip(group.samples, outcomes, strict=True):
             sample.reward, sample.reward_error = outcome.value, outcome.error
         return group
 
-    async def sample(self, prompt_ids: list[int]) -> Sample:
-        """One completion, resubmitted after an abort until its token budget or a stop ends it."""
+    async def sample(self, prompt_ids: list[int], seed: int | None = None) -> Sample:
+        """One completion, resubmitted after an abort until its token budget or a stop ends it; with a ``seed``
+        every request carries a sampling seed of its own (a resubmission's is derived from the tokens so far)."""
         budget = self.sampling["max_new_tokens"]
         out: list[int] = []
         logprobs: list[float] = []
@@ -49,6 +51,8 @@ class SingleTurn:
         while True:
             await self.resumed.wait()
             params = {**self.sampling, "max_new_tokens": budget - len(out)}
+            if seed is not None:
+                params["sampling_seed"] = derive_seed(seed, len(out))
             result = await self.client.generate(prompt_ids + out, params)
             out += result.output_ids
             logprobs += result.logprobs
