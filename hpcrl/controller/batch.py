@@ -44,6 +44,8 @@ def rollout_stats(groups: list[Group], trainer_version: int) -> dict[str, float]
         "reward_mean": statistics.fmean(rewards),
         "reward_std": statistics.pstdev(rewards),
         "completion_len_mean": statistics.fmean(lengths),
+        "completion_len_min": min(lengths),
+        "completion_len_max": max(lengths),
         "staleness_max": max(stale),
         "staleness_mean": statistics.fmean(stale),
         "token_version_min": min(versions, default=trainer_version),

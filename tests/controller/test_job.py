@@ -83,6 +83,36 @@ def test_every_trained_token_is_within_the_staleness_bound(tmp_path, staleness):
 
 
 @pytest.mark.slow
+def test_no_group_is_trained_past_the_staleness_bound_when_completion_lengths_vary_widely(tmp_path):
+    # multi-turn trajectories of 1 to 6 turns: a group of long ones finishes steps after groups started later
+    trial = "varied"
+    overrides = [f"run.trial={trial}", "experiment=mod10_multi_turn", "workflow.max_turns=6", "run.max_steps=8"]
+    overrides += ["rollout.max_staleness=1", "rollout.prompts_per_step=8", "eval.stop_at_accuracy=0"]
+    summary_of(run_job(tmp_path, *overrides, "eval.every_steps=0"))
+    rows = metrics_of(tmp_path / "mod10_multi_turn" / trial)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert max(r["completion_len_max"] / r["completion_len_min"] for r in rows) >= 4, "lengths vary widely"
+    assert all(r["staleness_max"] <= 1 for r in rows), [(r["step"], r["staleness_max"]) for r in rows]
+    assert any(r["staleness_max"] == 1 for r in rows), "the rollout ran ahead of training"
+
+
+@pytest.mark.slow
+def test_two_runs_with_the_same_seed_sample_the_same_rewards(tmp_path):
+    # synchronous rollout, one server: every request carries a sampling seed derived from run.seed, the row and
+    # the sample, and the batches are taken in start order, so the samples, and their rewards, repeat exactly
+    overrides = ["run.max_steps=5", "rollout.max_staleness=0", "eval.stop_at_accuracy=0", "eval.every_steps=0"]
+    runs = []
+    for trial in ("first", "second"):
+        summary_of(run_job(tmp_path, f"run.trial={trial}", *overrides))
+        runs.append(metrics_of(tmp_path / "default" / trial))
+    first, second = runs
+    for key in ("reward_mean", "reward_std", "completion_len_mean"):
+        assert [r[key] for r in first] == [r[key] for r in second], key
+    # the losses agree to float32 rounding: the server's batches (which requests decode together) differ
+    assert [r["loss"] for r in first] == pytest.approx([r["loss"] for r in second], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.slow
 def test_a_killed_trainer_rank_fails_the_run_fast_and_leaves_nothing(tmp_path):
     run_dir = tmp_path / "default" / "kill"
     cmd = [sys.executable, "-m", "hpcrl.main", f"run.root={tmp_path}", "run.trial=kill", "run.max_steps=1000"]
