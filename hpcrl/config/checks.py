@@ -50,6 +50,7 @@ def validate(cfg: Config) -> Config:
     check_workflow_groups(cfg.workflow, cfg.algorithm.group_size)
     check_inference(cfg.inference)
     check_server_restart(cfg)
+    check_weight_sync(cfg.train, allocation)
     check_reward(cfg.reward)
     check_eval(cfg.eval)
     require(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", cfg.checkpoint.every_steps, "an integer >= 0")
@@ -118,7 +119,7 @@ def _resolve_role(where: str, role: str, r: RoleAllocation, cluster: ClusterConf
     one_of(f"{where}.backend", r.backend, SERVER_BACKENDS if role == "server" else TRAINER_BACKENDS)
     require(r.workers >= 1, f"{where}.workers", r.workers, "an integer >= 1")
     require(r.tp_size >= 1, f"{where}.tp_size", r.tp_size, "an integer >= 1")
-    require(r.tp_size == 1 or r.backend == "sglang", f"{where}.tp_size", r.tp_size, "1 unless backend is sglang")
+    require(r.tp_size == 1 or role == "server", f"{where}.tp_size", r.tp_size, "1 (tensor parallelism is a server's)")
     gpus = _default_gpus(r) if r.gpus_per_worker is None else r.gpus_per_worker
     _check_gpus(where, r, gpus)
     if gpus > cluster.gpus_per_node:
@@ -238,6 +239,20 @@ def check_train(t: TrainConfig) -> None:
     one_of("train.lr_schedule", t.lr_schedule, ("constant", "cosine"))
     require(t.micro_batch_tokens >= 1, "train.micro_batch_tokens", t.micro_batch_tokens, "an integer >= 1")
     one_of("train.weight_sync", t.weight_sync, ("disk", "distributed"))
+    mb = t.weight_sync_bucket_mb
+    require(mb >= 1, "train.weight_sync_bucket_mb", mb, "MiB >= 1 (one /update_weights_from_distributed call)")
+
+
+def check_weight_sync(t: TrainConfig, allocation: AllocationConfig) -> None:
+    """Trainers on GPUs send over nccl, which hpcrl's CPU server cannot receive."""
+    on_gpu = bool(allocation.trainer.gpus_per_worker)
+    if t.weight_sync == "distributed" and allocation.server.backend == "cpu" and on_gpu:
+        raise ConfigError(
+            "train.weight_sync",
+            t.weight_sync,
+            "disk with cpu servers and trainers on GPUs: the trainers send over nccl and the CPU server receives "
+            "over gloo only (or put the trainers on CPUs: allocation.trainer.gpus_per_worker=0)",
+        )
 
 
 def check_rollout(r: RolloutConfig) -> None:
@@ -284,6 +299,9 @@ def check_inference(i: InferenceConfig) -> None:
     require(n >= 1, "inference.max_running_requests", n, "an integer >= 1")
     require(i.batch_wait_ms >= 0, "inference.batch_wait_ms", i.batch_wait_ms, "milliseconds >= 0")
     require(i.health_poll_s > 0, "inference.health_poll_s", i.health_poll_s, "seconds > 0")
+    timeout = i.weight_update_timeout_s
+    require(timeout > 0, "inference.weight_update_timeout_s", timeout, "seconds > 0")
+    one_of("inference.context_overflow", i.context_overflow, ("drop", "truncate"))
 
 
 def check_server_restart(cfg: Config) -> None:

@@ -30,7 +30,7 @@ class RoleAllocation:
     backend: str = "cpu"  # server: cpu | sglang; trainer: fsdp
     workers: int = 1  # servers: independent server instances; trainer: torchrun ranks (world size)
     gpus_per_worker: int | None = None  # GPUs each worker owns; null = backend default (sglang: tp_size, fsdp: 1)
-    tp_size: int = 1  # tensor-parallel degree inside one server (sglang only)
+    tp_size: int = 1  # tensor-parallel ranks of one server (sglang: GPUs; cpu: ranks joining the weight group)
     nodes: int = 0  # nodes the role spans; 0 = the fewest that fit
 
 
@@ -183,6 +183,7 @@ class TrainConfig:
     lr_schedule: str = "constant"  # constant | cosine (after warm-up)
     micro_batch_tokens: int = 8192  # tokens per micro-batch on one rank
     weight_sync: str = "disk"  # how trainers push weights to servers: disk | distributed
+    weight_sync_bucket_mb: int = 512  # distributed: MiB at most per /update_weights_from_distributed call
 
 
 @dataclass
@@ -244,6 +245,8 @@ class InferenceConfig:
     batch_wait_ms: float = 2.0  # cpu server: how long a new request waits for others to share its batch
     extra_args: list[str] = field(default_factory=list)  # extra `sglang.launch_server` arguments
     health_poll_s: float = 1.0  # seconds between health checks while a server starts
+    weight_update_timeout_s: float = 1800.0  # deadline of one weight-update call to a server (a disk load: minutes)
+    context_overflow: str = "drop"  # prompt + max_new_tokens over the context: drop its group | truncate new tokens
     # drop and restart need train.weight_sync=disk; drop needs cluster=local; restart on Slurm starts the
     # server role's job again (cluster.submit_mode=per_role or steps; in one hetjob the roles share its fate)
     on_server_exit: str = "drop"  # a dead server: drop (leaves the pool) | restart (rejoins, current weights) | fail

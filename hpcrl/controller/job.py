@@ -32,6 +32,7 @@ from hpcrl.controller.servers import ServerPool
 from hpcrl.controller.trainers import Trainers
 from hpcrl.controller.weights import WeightSync
 from hpcrl.inference.client import InferenceClient
+from hpcrl.inference.options import client_options
 from hpcrl.launch.addresses import port_range
 from hpcrl.launch.base import Scheduler
 from hpcrl.launch.local import LocalScheduler
@@ -73,34 +74,39 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
         workers = Workers(None, None, rewards, check_alive, servers=pool)  # client and trainers are opened below
         addresses = [[e.address for e in entries] for entries in (server_entries, trainer_entries, rollout_entries)]
         rows = (train_rows, eval_rows)
-        summary = asyncio.run(_drive(cfg, run_dir, workers, addresses, token, scheduler, rows, preempt))
+        summary = asyncio.run(_drive(cfg, run_dir, workers, addresses, token, rows, preempt))
     plot(run_dir.path / "metrics.jsonl", run_dir.path / "metrics.png")
     return {**summary, "run_dir": str(run_dir.path)}
 
 
-async def _drive(cfg, run_dir, workers, addresses, token, scheduler, rows, preempt) -> dict[str, Any]:
+async def _drive(cfg, run_dir, workers, addresses, token, rows, preempt) -> dict[str, Any]:
     train_rows, eval_rows = rows
     from hpcrl.models.tokenizer import load_tokenizer
 
     server_addresses, trainer_addresses, rollout_addresses = addresses
     tokenizer = load_tokenizer(cfg.model.path)
     pool = workers.servers
-    no_server_s = cfg.cluster.server_wait_s()  # how long a request waits for a restarting server
     async with (
-        InferenceClient(
-            server_addresses, request_timeout_s=cfg.rollout.request_timeout_s, no_server_timeout_s=no_server_s
-        ) as client,
+        InferenceClient(server_addresses, **client_options(cfg)) as client,
         Trainers(trainer_addresses, token, cfg.rollout.temperature) as trainers,
         _episodes(rollout_addresses, token, cfg.rollout.max_concurrent) as episodes,
     ):
         workers.client, workers.trainers, workers.episodes = client, trainers, episodes
         loop = Loop(cfg, workers, tokenizer, train_rows, eval_rows, run_dir)
         loop.preempt = preempt
-        sync = WeightSync(cfg.train.weight_sync, client, trainers, loop.resumed, run_dir.path / "weights")
+        sync = WeightSync(
+            cfg.train.weight_sync,
+            client,
+            trainers,
+            loop.resumed,
+            run_dir.path / "weights",
+            dtype=cfg.model.dtype,  # the servers run in it (--dtype): a push sends that, not the optimizer's fp32
+            bucket_bytes=cfg.train.weight_sync_bucket_mb << 20,
+        )
         sync.episodes = episodes
         pool.client, pool.sync, pool.episodes = client, sync, episodes
         if cfg.train.weight_sync == "distributed":
-            await sync.setup(_controller_host(cfg), scheduler.ports.allocate(1)[0])
+            await sync.setup()  # trainer rank 0 hosts the group on its own node, with a port of its own slice
         with Progress(cfg.run.max_steps) as progress:
             loop.progress = progress.update
             summary = await loop.run(sync)
@@ -172,12 +178,3 @@ def workflow_text(cfg: Config) -> list[str]:
 
         return [feedback_text(make_tokenizer(), w.feedback)]
     return list(w.stages) if w.name == "pipeline" else []
-
-
-def _controller_host(cfg: Config) -> str:
-    from hpcrl.net import discover_host
-
-    net = cfg.cluster.net
-    if cfg.cluster.kind == "local":
-        return "127.0.0.1"
-    return net.advertise_host or discover_host(net.family, net.interface)

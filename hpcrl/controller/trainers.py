@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from hpcrl.inference.weight_group import DEFAULT_GROUP
 from hpcrl.rpc.client import RpcClient
 from hpcrl.rpc.messages import (
     ComputeLogprobs,
     ExportWeights,
+    HostWeightGroup,
     JoinWeightGroup,
     LoadCheckpoint,
     PushWeights,
@@ -27,7 +29,6 @@ class Trainers:
         self.addresses = addresses
         self.world_size = len(addresses)
         self.temperature = temperature
-        self.weights_backend = "gloo"  # the trainers report nccl when they run on GPUs (join_weight_group)
         self.rpc = RpcClient(addresses, token, timeout_s=timeout_s)
 
     async def __aenter__(self) -> Trainers:
@@ -57,16 +58,24 @@ class Trainers:
         """Every rank restores model, optimizer, LR schedule and step from a ``save_checkpoint`` directory."""
         await self.rpc.broadcast("load_checkpoint", LoadCheckpoint(str(path)))
 
-    async def join_weight_group(self, master_address: str, master_port: int, world_size: int) -> None:
-        request = JoinWeightGroup(master_address, master_port, world_size, "weight_update_group", self.weights_backend)
-        await self.rpc.broadcast("join_weight_group", request)
+    async def host_weight_group(self, timeout_s: float) -> tuple[str, int, str]:
+        """Rank 0 starts the weight-update group's rendezvous on its own node, on a port of its own slice;
+        (its host, that port, the backend it sends over: nccl on CUDA, else gloo)."""
+        address = (await self.rpc.broadcast("host_weight_group", HostWeightGroup(timeout_s)))[0]
+        return address.master_address, address.master_port, address.backend
 
-    async def weight_specs(self) -> tuple[list[str], list[str], list[list[int]]]:
-        spec = (await self.rpc.broadcast("weight_specs", WeightSpecsRequest()))[0]
-        return spec.names, spec.dtypes, spec.shapes
+    async def join_weight_group(self, world_size: int, timeout_s: float, group_name: str = DEFAULT_GROUP) -> None:
+        """Rank 0 joins (blocking until every server rank has); the others answer at once."""
+        await self.rpc.broadcast("join_weight_group", JoinWeightGroup(world_size, group_name, timeout_s))
 
-    async def push_weights(self, version: int) -> None:
-        await self.rpc.broadcast("push_weights", PushWeights(version))
+    async def weight_specs(self, dtype: str) -> list[tuple[str, str, list[int]]]:
+        """(name, dtype, shape) of every tensor a push sends, in its order, floating-point ones as ``dtype``."""
+        spec = (await self.rpc.broadcast("weight_specs", WeightSpecsRequest(dtype)))[0]
+        return list(zip(spec.names, spec.dtypes, spec.shapes, strict=True))
+
+    async def push_weights(self, version: int, dtype: str) -> None:
+        """Every rank gathers each tensor; rank 0 broadcasts it as ``dtype`` to the weight-update group."""
+        await self.rpc.broadcast("push_weights", PushWeights(version, dtype))
 
     async def shutdown(self) -> None:
         await self.rpc.shutdown()

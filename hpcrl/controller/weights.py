@@ -6,9 +6,14 @@ the continue, so nothing is submitted in between). Then, by ``train.weight_sync`
 
 - ``disk``: trainer rank 0 exports the model (Hugging Face layout) under the run directory and every
   server loads it (``/update_weights_from_disk``);
-- ``distributed``: trainer rank 0 and the servers formed a process group once at start
-  (``/init_weights_update_group``); rank 0 broadcasts tensor by tensor while the servers receive
-  (``/update_weights_from_distributed``).
+- ``distributed``: at start, trainer rank 0 starts the group's rendezvous on its own node with a port of
+  its own slice and reports it (host, port, backend: nccl on CUDA, gloo on CPU), and every
+  tensor-parallel rank of every server joins it (``/init_weights_update_group``, ``rank_offset + tp_rank``).
+  Each push is one session per server: ``/begin_weight_update``, then one
+  ``/update_weights_from_distributed`` per bucket of at most ``train.weight_sync_bucket_mb`` in the servers'
+  dtype (while rank 0 broadcasts tensor by tensor), then ``/end_weight_update``.
+
+Nothing about the rendezvous is chosen on the controller's host: on a cluster it is another node.
 """
 
 from __future__ import annotations
@@ -20,28 +25,48 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.inference.client import InferenceClient
+from hpcrl.inference.weight_group import Spec, buckets, spec_bytes
 
 log = logging.getLogger(__name__)
 
 
 class WeightSync:
-    def __init__(self, mode: str, client: InferenceClient, trainers, resumed: asyncio.Event, weights_dir: Path):
+    def __init__(
+        self,
+        mode: str,
+        client: InferenceClient,
+        trainers,
+        resumed: asyncio.Event,
+        weights_dir: Path,
+        *,
+        dtype: str = "float32",  # the servers' dtype: what a distributed push sends
+        bucket_bytes: int = 512 << 20,  # the most bytes one /update_weights_from_distributed call receives
+    ):
         self.mode, self.client, self.trainers, self.resumed = mode, client, trainers, resumed
         self.weights_dir = weights_dir
-        self.specs: tuple[list[str], list[str], list[list[int]]] | None = None
+        self.dtype, self.bucket_bytes = dtype, bucket_bytes
+        self.buckets: list[list[Spec]] | None = None  # distributed: the push's calls, once the group is formed
         self.episodes: Any = None  # rollout.remote.RemoteEpisodes when rollout workers run the episodes
         self.lock = asyncio.Lock()  # held by a push, and by a restarted server loading ``current``
         self.current: tuple[str, int] | None = None  # disk: the newest export and its version (None: the initial)
 
-    async def setup(self, master_address: str, master_port: int) -> None:
-        """Form the weight-update group (distributed mode)."""
+    async def setup(self) -> None:
+        """Form the weight-update group (distributed mode): rank 0 hosts it, every server rank joins."""
+        timeout_s = self.client.weight_update_timeout_s
+        host, port, backend = await self.trainers.host_weight_group(timeout_s)
         world = self.client.weights_group_world_size()
         await asyncio.gather(
-            self.client.init_weights_update_group(master_address, master_port, backend=self.trainers.weights_backend),
-            self.trainers.join_weight_group(master_address, master_port, world),
+            self.client.init_weights_update_group(host, port, backend=backend),
+            self.trainers.join_weight_group(world, timeout_s),
         )
-        self.specs = await self.trainers.weight_specs()
-        log.info("weight-update group formed at %s:%d with %d servers", master_address, master_port, world - 1)
+        specs = await self.trainers.weight_specs(self.dtype)
+        self.buckets = buckets(specs, self.bucket_bytes)
+        log.info(
+            "weight-update group formed at trainer rank 0's %s:%d (%s) with %d server ranks; a push is %d call(s) "
+            "of at most %.0f MB (%s, %.1f MB in all)",
+            *(host, port, backend, world - 1, len(self.buckets), self.bucket_bytes / 2**20, self.dtype),
+            spec_bytes(specs) / 2**20,
+        )
 
     async def push(self, version: int) -> None:
         async with self.lock:
@@ -71,13 +96,19 @@ class WeightSync:
                 shutil.rmtree(old, ignore_errors=True)
 
     async def _push_distributed(self, version: int) -> None:
-        assert self.specs is not None, "setup() forms the group first"
-        names, dtypes, shapes = self.specs
-        await asyncio.gather(
-            self.client.update_weights_from_distributed(names, dtypes, shapes, version),
-            self.trainers.push_weights(version),
-        )
+        assert self.buckets is not None, "setup() forms the group first"
+        await self.client.begin_weight_update()
+        await asyncio.gather(self._send_buckets(version), self.trainers.push_weights(version, self.dtype))
+        await self.client.end_weight_update()
+
+    async def _send_buckets(self, version: int) -> None:
+        """One call per bucket, in order: each answers once its tensors have arrived from rank 0's broadcasts."""
+        assert self.buckets is not None
+        for i, bucket in enumerate(self.buckets):
+            names, dtypes, shapes = zip(*bucket, strict=True)
+            last = i == len(self.buckets) - 1
+            await self.client.update_weights_from_distributed(names, dtypes, shapes, version, flush_cache=last)
 
     async def close(self) -> None:
-        if self.mode == "distributed" and self.specs is not None:
+        if self.mode == "distributed" and self.buckets is not None:
             await self.client.destroy_weights_update_group()

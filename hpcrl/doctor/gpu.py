@@ -1,4 +1,7 @@
-"""GPU checks: nvidia-smi, torch's CUDA devices and ``import sglang``, where the run's GPU workers would run.
+"""GPU checks: nvidia-smi, torch's CUDA devices and SGLang, where the run's GPU workers would run.
+
+SGLang must import, be a release of the tested range (``inference/sglang_api.py``) and serve every endpoint
+hpcrl calls (``doctor/sglang.py``).
 
     cluster.gpus_per_node == 0 or no role asks for GPUs   one ``skip`` line: nothing to check, and on a CPU
                                                           machine nothing of it could run
@@ -24,7 +27,8 @@ ADVICE = {
     "is a GPU partition and cluster.extra_sbatch its GPU options, or ask the site",
     "torch": "install a CUDA build of torch where the jobs run (pip install -e '.[sglang]' brings one); "
     "load CUDA in cluster.setup if the site needs it",
-    "sglang": "install it where the jobs run: pip install -e '.[sglang]' (cluster.setup may activate that environment)",
+    "sglang": "install the tested release where the jobs run: pip install -e '.[sglang]' (cluster.setup may "
+    "activate that environment)",
 }
 
 

@@ -5,7 +5,8 @@
         2. node -> controller: connect to HOST:PORT, send {"token", "node", "address": where it listens}
         3. controller -> node: accept the doctor's connection, read the token back, answer "ok"
         exit 0 when both worked; otherwise print what failed and exit 1
-    gpu   prints one line ``HPCRL-PROBE {json}``: nvidia-smi -L, torch's CUDA devices, import sglang;
+    gpu   prints one line ``HPCRL-PROBE {json}``: nvidia-smi -L, torch's CUDA devices, import sglang (a tested
+          release serving the endpoints hpcrl calls);
           each {"ok": bool, "detail": text}; every part runs, whatever the others gave
 
 A line protocol of JSON text: the doctor and the probe may run different Python versions, and pickle is
@@ -115,10 +116,12 @@ def _torch_cuda() -> dict[str, Any]:
 
 def _sglang() -> dict[str, Any]:
     try:
-        import sglang
+        import sglang  # noqa: F401 (that it imports is the check)
     except Exception as e:  # ImportError, or whatever its CUDA extensions raise on import
         return {"ok": False, "detail": f"{type(e).__name__}: {e}"}
-    return {"ok": True, "detail": f"sglang {getattr(sglang, '__version__', '?')}"}
+    from hpcrl.doctor.sglang import sglang_status
+
+    return sglang_status()  # the tested version range, and every endpoint hpcrl calls
 
 
 GPU_PARTS = {"nvidia-smi": _nvidia_smi, "torch": _torch_cuda, "sglang": _sglang}

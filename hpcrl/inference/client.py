@@ -7,6 +7,14 @@
         await client.update_weights_from_disk("/ckpt/step_10", weight_version=10)
         await client.resume()
 
+Weight updates follow SGLang 0.5.23's contract: a distributed push is ``begin_weight_update`` -> one
+``update_weights_from_distributed`` per bucket (tensors in the servers' dtype, a bounded number of bytes
+each) -> ``end_weight_update``; every tensor-parallel rank of every server is a member of the weight-update
+group (``tp_size``); weight-update calls have their own deadline (``weight_update_timeout_s``: a disk load
+of a large model answers after minutes). A prompt whose length plus ``max_new_tokens`` exceeds
+``context_length`` is never sent: ``ContextLengthError``, or with ``context_overflow="truncate"`` a
+shorter ``max_new_tokens``.
+
 Generation goes to one server per request, picked by ``policy``: ``least_loaded`` (fewest requests in
 flight from this client, ties broken round-robin) or ``round_robin``. The pool can change while requests
 run: ``remove`` a dead server, ``add`` a restarted one. While it is empty (its only server is restarting),
@@ -24,16 +32,18 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from hpcrl.inference.client_http import HttpPool, InferenceError, fixed
-from hpcrl.inference.client_wire import GenerateResult, check_sampling, check_success, parse_result
+from hpcrl.inference.client_wire import ContextLengthError, GenerateResult, check_sampling, check_success, parse_result
+from hpcrl.inference.context import fit
+from hpcrl.inference.weight_group import DEFAULT_GROUP, group_layout
 
-__all__ = ["POLICIES", "GenerateResult", "InferenceClient", "InferenceError"]
+__all__ = ["OVERFLOW", "POLICIES", "ContextLengthError", "GenerateResult", "InferenceClient", "InferenceError"]
 
 logger = logging.getLogger(__name__)
 
 POLICIES = ("least_loaded", "round_robin")
 PAUSE_MODES = ("abort", "retract", "in_place")
-HEALTH_PROBE_TIMEOUT_S = 10.0  # one GET /health; bounds how long check_alive can go uncalled
-DEFAULT_GROUP = "weight_update_group"
+OVERFLOW = ("drop", "truncate")  # what a prompt over the context length gets: ContextLengthError | fewer new tokens
+HEALTH_PROBE_TIMEOUT_S = 25.0  # one GET /health (a one-token generation, 20 s at most on SGLang)
 
 
 class InferenceClient:
@@ -48,13 +58,23 @@ class InferenceClient:
         policy: str = "least_loaded",  # least_loaded | round_robin: which server a generate request goes to
         max_connections: int = 1024,  # open connections at most, all servers together
         no_server_timeout_s: float = 600.0,  # how long a request waits while the pool is empty (a restart)
+        *,
+        tp_size: int = 1,  # tensor-parallel ranks of each server: each joins the weight-update group
+        weight_update_timeout_s: float = 1800.0,  # deadline of one weight-update call (disk loads take minutes)
+        context_length: int | None = None,  # prompt + max_new_tokens at most; None: not checked here
+        context_overflow: str = "drop",  # drop: ContextLengthError | truncate: fewer new tokens when possible
     ) -> None:
         _check_args(addresses, request_timeout_s, max_retries, backoff_s, policy, max_connections)
         if not no_server_timeout_s > 0:
             raise ValueError(f"no_server_timeout_s must be > 0, got {no_server_timeout_s}")
+        _check_weight_args(tp_size, weight_update_timeout_s, context_length, context_overflow)
         self.addresses = list(addresses)
         self.policy = policy
         self.request_timeout_s = request_timeout_s
+        self.tp_size = tp_size
+        self.weight_update_timeout_s = weight_update_timeout_s
+        self.context_length = context_length
+        self.context_overflow = context_overflow
         self._http = HttpPool(
             self.addresses,
             timeout_s=request_timeout_s,
@@ -139,6 +159,7 @@ class InferenceClient:
         check_sampling(sampling_params)
         if not input_ids:
             raise ValueError("input_ids is empty; a prompt needs at least one token")
+        sampling_params = self._fitted(len(input_ids), sampling_params)
         payload: dict[str, Any] = {
             "input_ids": input_ids,
             "sampling_params": sampling_params,
@@ -161,7 +182,9 @@ class InferenceClient:
         check_sampling(sampling_params)
         if not input_ids or not all(input_ids):
             raise ValueError("input_ids must be a non-empty list of non-empty prompts")
-        payload = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": return_logprob}
+        fitted = [self._fitted(len(ids), sampling_params) for ids in input_ids]
+        params: Any = sampling_params if all(p is sampling_params for p in fitted) else fitted
+        payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": return_logprob}
         chosen, answer = await self._http.call(
             self._chooser(server), "POST", "/generate", payload, count=len(input_ids)
         )
@@ -224,6 +247,13 @@ class InferenceClient:
         """GET /model_info of every server, by address."""
         return await self._http.call_all("GET", "/model_info", self._same(None))
 
+    async def abort(self, rid: str | None = None) -> None:
+        """Abort, on every server, the requests whose rid starts with ``rid``, or every request (None)."""
+        if rid == "":
+            raise ValueError("rid must be a non-empty prefix, or None to abort every request")
+        payload: dict[str, Any] = {"abort_all": True} if rid is None else {"rid": rid}
+        await self._http.call_all("POST", "/abort_request", self._same(payload), expect_json=False)
+
     async def update_weights_from_disk(
         self,
         model_path: str,
@@ -232,16 +262,22 @@ class InferenceClient:
         timeout_s: float | None = None,
         servers: Sequence[str] | None = None,
     ) -> None:
-        """Every server (or those in ``servers``) loads the checkpoint at ``model_path``, a path its node can read."""
+        """Every server (or those in ``servers``) loads the checkpoint at ``model_path``, a path its node can read.
+
+        SGLang answers after the load and the cache flush: the deadline is ``weight_update_timeout_s``."""
         payload = {"model_path": model_path, "weight_version": str(weight_version), "flush_cache": True}
         payloads = self._same(payload) if servers is None else self._only(servers, payload)
         await self._http.call_all(
-            "POST", "/update_weights_from_disk", payloads, timeout_s=timeout_s, check=check_success
+            "POST",
+            "/update_weights_from_disk",
+            payloads,
+            timeout_s=self._weights_deadline(timeout_s),
+            check=check_success,
         )
 
-    def weights_group_world_size(self, ranks_per_server: int = 1) -> int:
-        """World size of the weight-update group: the trainer's rank 0 plus every server rank."""
-        return 1 + len(self.addresses) * ranks_per_server
+    def weights_group_world_size(self) -> int:
+        """World size of the weight-update group: the trainer's rank 0 plus every tensor-parallel rank."""
+        return group_layout([self.tp_size] * len(self.addresses))[0]
 
     async def init_weights_update_group(
         self,
@@ -250,30 +286,32 @@ class InferenceClient:
         group_name: str = DEFAULT_GROUP,
         backend: str = "gloo",
         *,
-        ranks_per_server: int = 1,
         timeout_s: float | None = None,
     ) -> int:
-        """Make every server join the trainer's process group; returns its world size.
+        """Make every server join the trainer's process group at ``master_address:master_port`` (trainer rank 0's
+        node and a port it listens on); returns the group's world size.
 
-        Server i takes ranks ``1 + i * ranks_per_server`` onwards (its tensor-parallel ranks); the trainer
-        is rank 0 and must call ``init_process_group`` concurrently, or every server waits for it.
+        Server i's tensor-parallel rank t is rank ``rank_offset_i + t`` (``weight_group.group_layout``); the
+        trainer is rank 0 and must join concurrently, or every server waits for it.
         """
-        if ranks_per_server < 1:
-            raise ValueError(f"ranks_per_server must be >= 1 (a server's tensor-parallel size), got {ranks_per_server}")
-        world_size = self.weights_group_world_size(ranks_per_server)
+        world_size, offsets = group_layout([self.tp_size] * len(self.addresses))
         payloads = {
             server: {
                 "master_address": master_address,
                 "master_port": master_port,
-                "rank_offset": 1 + i * ranks_per_server,
+                "rank_offset": offset,
                 "world_size": world_size,
                 "group_name": group_name,
                 "backend": backend,
             }
-            for i, server in enumerate(self.addresses)
+            for server, offset in zip(self.addresses, offsets, strict=True)
         }
         await self._collective("/init_weights_update_group", payloads, timeout_s)
         return world_size
+
+    async def begin_weight_update(self, *, timeout_s: float | None = None) -> None:
+        """Open the weight-update session on every server (SGLang refuses a distributed update outside one)."""
+        await self._collective("/begin_weight_update", self._same({}), timeout_s)
 
     async def update_weights_from_distributed(
         self,
@@ -283,9 +321,13 @@ class InferenceClient:
         weight_version: str | int,
         group_name: str = DEFAULT_GROUP,
         *,
+        flush_cache: bool = True,
         timeout_s: float | None = None,
     ) -> None:
-        """Every server receives these tensors by broadcast from the trainer, which sends them concurrently."""
+        """Every server receives these tensors (one bucket) by broadcast from the trainer, which sends them
+        concurrently; inside ``begin_weight_update`` .. ``end_weight_update``. Each server allocates a buffer
+        for every tensor of the call first: keep the call's bytes bounded. ``flush_cache``: on the last
+        bucket of a push (a flush per bucket costs without need)."""
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError(
                 f"names, dtypes and shapes must have one entry per tensor, got {len(names)}, {len(dtypes)} "
@@ -297,15 +339,34 @@ class InferenceClient:
             "shapes": [list(shape) for shape in shapes],
             "group_name": group_name,
             "weight_version": str(weight_version),
-            "flush_cache": True,
+            "flush_cache": flush_cache,
         }
         await self._collective("/update_weights_from_distributed", self._same(payload), timeout_s)
+
+    async def end_weight_update(self, *, timeout_s: float | None = None) -> None:
+        """Close the weight-update session on every server."""
+        await self._collective("/end_weight_update", self._same({}), timeout_s)
 
     async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> None:
         await self._collective("/destroy_weights_update_group", self._same({"group_name": group_name}), None)
 
     async def _collective(self, endpoint: str, payloads: dict[str, Any], timeout_s: float | None) -> None:
-        await self._http.call_all("POST", endpoint, payloads, retries=0, timeout_s=timeout_s, check=check_success)
+        deadline = self._weights_deadline(timeout_s)
+        await self._http.call_all("POST", endpoint, payloads, retries=0, timeout_s=deadline, check=check_success)
+
+    def _weights_deadline(self, timeout_s: float | None) -> float:
+        return self.weight_update_timeout_s if timeout_s is None else timeout_s
+
+    def _fitted(self, prompt_tokens: int, sampling_params: dict[str, Any]) -> dict[str, Any]:
+        """``sampling_params`` if the request fits the context; else fewer new tokens (truncate), or
+        ContextLengthError."""
+        new_tokens = sampling_params["max_new_tokens"]
+        if self.context_length is None or not fit(prompt_tokens, new_tokens, self.context_length):
+            return sampling_params
+        room = self.context_length - prompt_tokens
+        if self.context_overflow == "truncate" and room >= 1:
+            return {**sampling_params, "max_new_tokens": room}
+        raise ContextLengthError(prompt_tokens, new_tokens, self.context_length)
 
     def _same(self, payload: Any) -> dict[str, Any]:
         return dict.fromkeys(self.addresses, payload)
@@ -336,6 +397,17 @@ class InferenceClient:
                     endpoint="/generate",
                 ) from None
         return self.pick(tried)
+
+
+def _check_weight_args(tp_size: int, timeout_s: float, context_length: int | None, overflow: str) -> None:
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be an integer >= 1 (a server's tensor-parallel ranks), got {tp_size!r}")
+    if not timeout_s > 0:
+        raise ValueError(f"weight_update_timeout_s must be > 0, got {timeout_s}")
+    if context_length is not None and context_length < 2:
+        raise ValueError(f"context_length must be None or >= 2 tokens, got {context_length}")
+    if overflow not in OVERFLOW:
+        raise ValueError(f"context_overflow must be one of {', '.join(OVERFLOW)}, got {overflow!r}")
 
 
 def _check_args(

@@ -9,6 +9,13 @@ hundreds of requests failing together do not return in lockstep):
 - connection failures: refused, reset, DNS, a connect that timed out, a body cut off mid-way;
 - HTTP 5xx (SGLang answers 503 while it cannot take work, 500 when a request failed inside it).
 
+One more send, once per call and whatever ``retries`` says, on a fresh connection: when a pooled keep-alive
+connection turns out closed under the request (``ServerDisconnectedError``, a reset). uvicorn, SGLang's
+HTTP server, closes idle connections after 5 s, and a POST that meets the close was never read by the
+server; aiohttp resends only idempotent methods itself. A weight-update call, never retried otherwise
+(a server that joins a collective twice waits for a partner that is not coming), is safe to send again
+then.
+
 What is not retried: HTTP 4xx (the request itself is wrong; the server's error body is in the message), a
 request that got no answer within its deadline (it already cost a whole deadline, and the server may still
 be working on it), and a malformed answer. Each attempt has a deadline (``aiohttp.ClientTimeout``), so a
@@ -18,6 +25,7 @@ call ends within ``attempts * timeout + backoff`` seconds whatever the servers d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -55,6 +63,10 @@ class InferenceError(Exception):
 
 class _Retryable(Exception):
     """An attempt failed in a way another attempt may fix."""
+
+
+class _Stale(_Retryable):
+    """The connection was closed under the request before an answer: the server never read it."""
 
 
 class HttpPool:
@@ -112,30 +124,40 @@ class HttpPool:
         """
         attempts = 1 + (self.max_retries if retries is None else retries)
         tried: list[str] = []
-        for attempt in range(1, attempts + 1):
+        attempt, fresh = 0, False
+        while True:
             server = await choose(tried)
             self.in_flight[server] += count
             try:
-                return server, await self._send(server, method, endpoint, payload, timeout_s, expect_json)
+                return server, await self._send(server, method, endpoint, payload, timeout_s, expect_json, fresh)
+            except _Stale as error:
+                failure: _Retryable = error
+                if not fresh:  # once per call, not counted: see the module's docstring
+                    fresh = True
+                    logger.info(
+                        "%s %s on %s: %s; sending it again on a new connection", method, endpoint, server, error
+                    )
+                    continue
             except _Retryable as error:
-                tried.append(server)
-                if attempt == attempts:
-                    raise InferenceError(
-                        f"{method} {endpoint} failed after {attempts} attempt(s) on {', '.join(tried)}; last error "
-                        f"from {server}: {error}. Check that the server is up (its log, its job) and reachable "
-                        "from this node",
-                        server=server,
-                        endpoint=endpoint,
-                    ) from error
-                delay = min(self.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S) * random.uniform(0.5, 1.0)
-                logger.warning(
-                    "%s %s on %s failed (attempt %d of %d): %s; retrying in %.2f s",
-                    *(method, endpoint, server, attempt, attempts, error, delay),
-                )
+                failure = error
             finally:
                 self.in_flight[server] -= count
+            attempt += 1
+            tried.append(server)
+            if attempt == attempts:
+                raise InferenceError(
+                    f"{method} {endpoint} failed after {attempts} attempt(s) on {', '.join(tried)}; last error "
+                    f"from {server}: {failure}. Check that the server is up (its log, its job) and reachable "
+                    "from this node",
+                    server=server,
+                    endpoint=endpoint,
+                ) from failure
+            delay = min(self.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S) * random.uniform(0.5, 1.0)
+            logger.warning(
+                "%s %s on %s failed (attempt %d of %d): %s; retrying in %.2f s",
+                *(method, endpoint, server, attempt, attempts, failure, delay),
+            )
             await asyncio.sleep(delay)
-        raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def call_all(
         self,
@@ -192,14 +214,28 @@ class HttpPool:
             return f"{type(error).__name__}: {error}"
 
     async def _send(
-        self, server: str, method: str, endpoint: str, payload: Any, timeout_s: float | None, expect_json: bool
+        self,
+        server: str,
+        method: str,
+        endpoint: str,
+        payload: Any,
+        timeout_s: float | None,
+        expect_json: bool,
+        fresh: bool = False,
     ) -> Any:
         deadline = self.timeout_s if timeout_s is None else timeout_s
         timeout = aiohttp.ClientTimeout(total=deadline, sock_connect=min(CONNECT_TIMEOUT_S, deadline))
         url = self.urls[server].with_path(endpoint)
         try:
-            async with self.session.request(method, url, json=payload, timeout=timeout) as response:
-                status, body = response.status, (await response.read()).decode(errors="replace")
+            async with contextlib.AsyncExitStack() as stack:
+                session = self.session
+                if fresh:  # a connection of its own, never one from the pool
+                    connector = aiohttp.TCPConnector(force_close=True)
+                    session = await stack.enter_async_context(
+                        aiohttp.ClientSession(connector=connector, trust_env=False)
+                    )
+                async with session.request(method, url, json=payload, timeout=timeout) as response:
+                    status, body = response.status, (await response.read()).decode(errors="replace")
         except _CONNECT_TIMEOUT as error:
             raise _Retryable(f"no connection within {min(CONNECT_TIMEOUT_S, deadline):g} s") from error
         except TimeoutError as error:
@@ -210,6 +246,11 @@ class HttpPool:
                 server=server,
                 endpoint=endpoint,
             ) from error
+        except aiohttp.ServerDisconnectedError as error:
+            raise _Stale(f"{type(error).__name__}: {error}") from error
+        except aiohttp.ClientOSError as error:  # a reset or a broken pipe on a pooled connection; not a refused connect
+            kind = _Retryable if isinstance(error, aiohttp.ClientConnectorError) else _Stale
+            raise kind(f"{type(error).__name__}: {error}") from error
         except _BROKEN_CONNECTION as error:
             raise _Retryable(f"{type(error).__name__}: {error}") from error
         if status >= 500:

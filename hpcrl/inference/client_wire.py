@@ -18,6 +18,24 @@ class GenerateResult:
     meta_info: dict[str, Any]  # the server's meta_info as sent (token counts, latency, ...)
 
 
+class ContextLengthError(InferenceError):
+    """A prompt whose length plus ``max_new_tokens`` exceeds the model's context: refused before it is sent.
+
+    SGLang would answer HTTP 400 (what it says is ``context.fit``); the caller drops the prompt's group and
+    counts it, or the client shortens ``max_new_tokens`` (``context_overflow="truncate"``) when the prompt
+    itself leaves room. ``prompt_tokens``, ``max_new_tokens`` and ``context_length`` say by how much."""
+
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, context_length: int) -> None:
+        total = prompt_tokens + max_new_tokens
+        super().__init__(
+            f"a prompt of {prompt_tokens} tokens with max_new_tokens={max_new_tokens} ({total} tokens) does not fit "
+            f"the model's context length of {context_length} tokens; not sent (SGLang would answer HTTP 400)",
+            server="",
+            endpoint="/generate",
+        )
+        self.prompt_tokens, self.max_new_tokens, self.context_length = prompt_tokens, max_new_tokens, context_length
+
+
 def check_sampling(sampling_params: dict[str, Any]) -> None:
     if sampling_params.get("max_new_tokens") is None:
         raise ValueError(

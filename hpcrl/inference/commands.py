@@ -58,8 +58,8 @@ def _sglang(
 def _cpu(
     model_path: str, host: str, port: int, tp_size: int, inf: InferenceConfig, dtype: str, seed: int, python: str
 ) -> list[str]:
-    if tp_size != 1:
-        raise ValueError(f"allocation.server.tp_size={tp_size}, but the cpu backend runs one process: use 1")
+    if tp_size < 1:
+        raise ValueError(f"allocation.server.tp_size must be >= 1, got {tp_size}")
     if inf.extra_args:
         log.warning("inference.extra_args %s is ignored with the cpu server backend", inf.extra_args)
     return [
@@ -80,6 +80,8 @@ def _cpu(
         dtype,
         "--seed",
         str(seed),
+        "--tp-size",  # ranks that join the weight-update group, as SGLang's would (generation stays on one)
+        str(tp_size),
     ]
 
 

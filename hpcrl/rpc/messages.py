@@ -131,24 +131,41 @@ class LoadCheckpoint:
 
 @register
 @dataclasses.dataclass
+class HostWeightGroup:
+    """Trainer rank 0 starts the weight-update group's rendezvous on its own node and says where."""
+
+    timeout_s: float  # how long the group waits for its members, and then for each broadcast
+
+
+@register
+@dataclasses.dataclass
+class WeightGroupAddress:
+    master_address: str  # trainer rank 0's own host, as the servers dial it ("" from the other ranks)
+    master_port: int  # the port its rendezvous listens on, from rank 0's own port slice (0 from the others)
+    backend: str  # what rank 0 sends over: nccl (trainers on CUDA) or gloo ("" from the other ranks)
+
+
+@register
+@dataclasses.dataclass
 class JoinWeightGroup:
-    master_address: str  # host of the process group's rendezvous (trainer rank 0)
-    master_port: int  # its TCP port
-    world_size: int  # trainer rank 0 plus every inference server rank
+    world_size: int  # trainer rank 0 plus every tensor-parallel rank of every inference server
     group_name: str  # name shared with the inference servers
-    backend: str  # nccl or gloo
+    timeout_s: float  # how long rank 0 waits for every server rank to join, and then for each broadcast
 
 
 @register
 @dataclasses.dataclass
 class PushWeights:
     weight_version: int  # version number the servers report after this push
+    dtype: str  # the servers' dtype (e.g. "bfloat16"): floating-point tensors are sent as it
 
 
 @register
 @dataclasses.dataclass
 class WeightSpecsRequest:
     """Ask for the names, dtypes and shapes of the weights a push will send."""
+
+    dtype: str  # the dtype the push sends floating-point tensors as (the servers')
 
 
 @register

@@ -10,10 +10,12 @@ import os
 from dataclasses import asdict
 
 from hpcrl.config.schema import Config
+from hpcrl.net import PortAllocator
 from hpcrl.rpc.messages import (
     Ack,
     ComputeLogprobs,
     ExportWeights,
+    HostWeightGroup,
     JoinWeightGroup,
     LoadCheckpoint,
     LogprobsResult,
@@ -25,6 +27,7 @@ from hpcrl.rpc.messages import (
     TrainerState,
     TrainStep,
     TrainStepResult,
+    WeightGroupAddress,
     WeightSpecs,
     WeightSpecsRequest,
 )
@@ -32,14 +35,31 @@ from hpcrl.train.batch import Sequence
 from hpcrl.train.checkpoint import load_checkpoint, save_checkpoint
 from hpcrl.train.engine import Engine
 from hpcrl.train.loss import make_loss_fn
-from hpcrl.train.weight_push import join_weight_group, leave_weight_group, push_over_group, weight_specs
+from hpcrl.train.weight_push import (
+    host_weight_group,
+    join_weight_group,
+    leave_weight_group,
+    push_over_group,
+    weight_specs,
+)
 
 
 class TrainerService:
     """The handlers of one rank. ``reference`` is the frozen initial policy, kept when ``algorithm.kl.coef > 0``."""
 
-    def __init__(self, engine: Engine, cfg: Config, rank: int, reference: Engine | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        cfg: Config,
+        rank: int,
+        reference: Engine | None = None,
+        *,
+        weight_host: str = "",  # this node's advertised address: rank 0 hosts the weight group's rendezvous there
+        ports: PortAllocator | None = None,  # this worker's own port slice, for that rendezvous
+    ):
         self.engine, self.rank, self.reference = engine, rank, reference
+        self.weight_host, self.ports = weight_host, ports
+        self.host = None  # rank 0's rendezvous of the weight-update group, once started
         self.loss_fn = make_loss_fn(cfg.algorithm, cfg.rollout.max_new_tokens)
         self.decoupled = cfg.algorithm.behavior_weight_cap > 0
         self.group = None  # rank 0's membership of the weight-update group, once joined
@@ -53,6 +73,7 @@ class TrainerService:
             "export_weights": self.export_weights,
             "save_checkpoint": self.save_checkpoint,
             "load_checkpoint": self.load_checkpoint,
+            "host_weight_group": self.host_weight_group,
             "join_weight_group": self.join_weight_group,
             "weight_specs": self.weight_specs,
             "push_weights": self.push_weights,
@@ -99,18 +120,27 @@ class TrainerService:
         load_checkpoint(self.engine, msg.path)
         return Ack()
 
+    def host_weight_group(self, msg: HostWeightGroup) -> WeightGroupAddress:
+        """Rank 0: listen for the weight-update group on this node, on a port of this worker's own slice."""
+        if self.rank != 0:
+            return WeightGroupAddress("", 0, "")
+        if self.ports is None or not self.weight_host:
+            raise RuntimeError("this trainer was started without its host and port slice, so it cannot host the group")
+        port = self.ports.allocate(1)[0]
+        self.host = host_weight_group(self.engine, self.weight_host, port, timeout_s=msg.timeout_s)
+        assert self.host is not None
+        return WeightGroupAddress(self.host.host, self.host.port, self.host.backend)
+
     def join_weight_group(self, msg: JoinWeightGroup) -> Ack:
-        self.group = join_weight_group(
-            self.engine, msg.master_address, msg.master_port, msg.world_size, msg.group_name, msg.backend
-        )
+        self.group = join_weight_group(self.engine, self.host, msg.world_size, msg.group_name, msg.timeout_s)
         return Ack()
 
-    def weight_specs(self, _: WeightSpecsRequest) -> WeightSpecs:
-        specs = weight_specs(self.engine)
+    def weight_specs(self, msg: WeightSpecsRequest) -> WeightSpecs:
+        specs = weight_specs(self.engine, msg.dtype)
         return WeightSpecs([n for n, _, _ in specs], [d for _, d, _ in specs], [s for _, _, s in specs])
 
-    def push_weights(self, _: PushWeights) -> Ack:
-        push_over_group(self.engine, self.group)
+    def push_weights(self, msg: PushWeights) -> Ack:
+        push_over_group(self.engine, self.group, msg.dtype)
         return Ack()
 
     def shutdown(self, _: object = None) -> Ack:

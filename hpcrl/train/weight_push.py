@@ -18,24 +18,28 @@ In both, ``n`` is the new weight version the servers report in ``/model_info`` a
 ``distributed`` (trainer rank 0 broadcasts to every server rank; SGLang names it the weight update group)::
 
     once, after Engine.setup():
-      controller:       port = a free port on rank 0's node; world = client.weights_group_world_size(tp)
-      concurrently:     controller  await client.init_weights_update_group(addr, port, backend=b)
-                        rank 0      group = join_weight_group(engine, addr, port, world, backend=b)
-                        (other ranks: join_weight_group returns None at once; they never join)
-    each push:
-      specs = weight_specs(engine, dtype)         # any rank, no collective; the same on every rank
-      concurrently:     controller  await client.update_weights_from_distributed(
-                                        [s[0] for s in specs], [s[1] for s in specs], [s[2] for s in specs],
-                                        weight_version=n)
-                        all ranks   push_over_group(engine, group, dtype)             # collective
+      all ranks:        addr = host_weight_group(engine, own_host, port)   # rank 0: listens on ``port`` of its
+                        (other ranks: None at once)                         # own node, picks the backend
+      controller:       world = client.weights_group_world_size()           # 1 + every tensor-parallel rank
+      concurrently:     controller  await client.init_weights_update_group(addr.host, addr.port, backend=addr.backend)
+                        all ranks   group = join_weight_group(engine, addr, world)  # None on all but rank 0
+    each push, in the servers' dtype ``d`` (a bf16 server gets bf16: SGLang allocates what it is sent):
+      specs = weight_specs(engine, d)             # any rank, no collective; the same on every rank
+      controller:       await client.begin_weight_update()
+      concurrently:     controller  for each bucket of specs (weight_group.buckets, a bounded number of bytes):
+                                        await client.update_weights_from_distributed(*bucket, weight_version=n)
+                        all ranks   push_over_group(engine, group, d)                 # collective
+      controller:       await client.end_weight_update()
     at the end (neither call waits for the other):
       controller:       await client.destroy_weights_update_group()
       rank 0:           leave_weight_group(group)
 
-  Both concurrent pairs block until the other side arrives: a server joins the group inside its HTTP
+  The concurrent pairs block until the other side arrives: a server joins the group inside its HTTP
   handler, and receives inside its ``/update_weights_from_distributed`` handler, which answers only after
-  every tensor has arrived and been loaded. ``b`` must be the same on both sides: the backend
-  ``join_weight_group`` picks by default (nccl when the trainer is on CUDA, else gloo) is in ``group.backend``.
+  every tensor of its bucket has arrived and been loaded; rank 0 broadcasts every tensor in order, and each
+  broadcast waits for the call whose bucket holds it. The rendezvous is on rank 0's node with a port chosen
+  there (from rank 0's own port slice): nothing about it is probed on another host. The backend is rank
+  0's to choose, nccl when the trainer is on CUDA, else gloo, and the servers join with the one it reports.
 
 The group lives on the trainer side in the ``WeightGroup`` that ``join_weight_group`` returns to rank 0:
 the caller keeps it beside its engine for the run and passes it to every ``push_over_group``.
@@ -59,7 +63,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from hpcrl.inference.weight_group import close_weight_group, open_weight_group, send_tensors
+from hpcrl.inference.weight_group import (
+    DEFAULT_GROUP,
+    DEFAULT_TIMEOUT_S,
+    close_weight_group,
+    host_store,
+    open_weight_group,
+    send_tensors,
+)
 
 if TYPE_CHECKING:
     from hpcrl.train.dist import DistInfo
@@ -67,12 +78,21 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
 # On CUDA, gathers and broadcasts are queued without blocking the CPU; wait for the device once this many
 # bytes are queued, so the loop cannot run ahead and hold the whole model in GPU memory at once.
 MAX_IN_FLIGHT_BYTES = 1 << 30
 
 Spec = tuple[str, str, list[int]]  # (Hugging Face name, dtype name such as "bfloat16", full shape)
+
+
+@dataclass(frozen=True)
+class GroupHost:
+    """Trainer rank 0's rendezvous for the weight update group, listening before anyone is told where."""
+
+    host: str  # rank 0's own address, as the servers dial it
+    port: int  # the port its store listens on (every interface of this node)
+    backend: str  # nccl | gloo: what rank 0 sends over; the servers join with the same
+    store: object  # the TCPStore
 
 
 @dataclass(frozen=True)
@@ -111,34 +131,50 @@ def push_to_disk(engine: Engine, out_dir: str | Path) -> Path:
     return path
 
 
-def join_weight_group(
-    engine: Engine,
-    master_address: str,
-    master_port: int,
-    world_size: int,
-    group_name: str = DEFAULT_GROUP,
-    backend: str | None = None,
-    timeout_s: float = 600.0,
-) -> WeightGroup | None:
-    """Rank 0: join the weight update group as its rank 0 and return it; other ranks: None, at once.
+def host_weight_group(
+    engine: Engine, host: str, port: int, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> GroupHost | None:
+    """Rank 0: start the group's rendezvous on ``port`` of this node and return where it is; others: None.
 
-    Blocks until every server has joined, so the servers' ``/init_weights_update_group`` must be under
-    way concurrently. ``master_address:master_port`` is where rank 0 listens (an address of its node the
-    servers reach). ``backend``: nccl | gloo; None picks nccl when the trainer runs on CUDA, else gloo.
-    """
+    ``host`` is this node's own address (the one it advertises), ``port`` one of its own port slice: the
+    servers are told both and dial them. ``backend``: nccl | gloo; None picks nccl when the trainer runs on
+    CUDA, else gloo. Local and quick: nothing waits for the servers yet (``join_weight_group`` does)."""
     _, info = engine.require_setup()
     if not info.is_main:
         return None
-    if world_size < 2:
-        raise ValueError(f"world_size must be >= 2 (rank 0 plus at least one server rank), got {world_size}")
     backend = backend or ("nccl" if info.device.type == "cuda" else "gloo")
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"backend must be nccl, gloo or None (pick by device), got {backend!r}")
     if backend == "nccl" and info.device.type != "cuda":
         raise ValueError(f"backend nccl needs the trainer on CUDA, but it runs on {info.device}; use gloo")
-    device = info.device if backend == "nccl" else torch.device("cpu")
-    group = open_weight_group(master_address, master_port, 0, world_size, group_name, backend, timeout_s)
-    return WeightGroup(group=group, name=group_name, backend=backend, world_size=world_size, device=device)
+    return GroupHost(host, port, backend, host_store(host, port, timeout_s))
+
+
+def join_weight_group(
+    engine: Engine,
+    address: GroupHost | None,
+    world_size: int,
+    group_name: str = DEFAULT_GROUP,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> WeightGroup | None:
+    """Rank 0: join the weight update group as its rank 0 at the ``host_weight_group`` it started; others:
+    None, at once.
+
+    Blocks until every server rank has joined, so the servers' ``/init_weights_update_group`` must be under
+    way concurrently. ``timeout_s`` bounds that wait and every later broadcast.
+    """
+    _, info = engine.require_setup()
+    if not info.is_main:
+        return None
+    if address is None:
+        raise ValueError("rank 0 joins at the GroupHost that host_weight_group returned, got None")
+    if world_size < 2:
+        raise ValueError(f"world_size must be >= 2 (rank 0 plus at least one server rank), got {world_size}")
+    device = info.device if address.backend == "nccl" else torch.device("cpu")
+    group = open_weight_group(
+        address.host, address.port, 0, world_size, group_name, address.backend, timeout_s, store=address.store
+    )
+    return WeightGroup(group=group, name=group_name, backend=address.backend, world_size=world_size, device=device)
 
 
 def leave_weight_group(group: WeightGroup) -> None:

@@ -1,7 +1,8 @@
 """``torchrun ... python -m hpcrl.train.worker [--run-dir D]``: one trainer rank.
 
 It reads the run's config from the run directory, sets up the FSDP2 engine, serves the trainer RPC
-(``service.py``) on a port of its own slot, registers ``host:port`` in the run's registry (which tells
+(``service.py``) on a port of its own slot (rank 0 hosts the weight-update group's rendezvous on another
+port of that slot, on this node, when asked), registers ``host:port`` in the run's registry (which tells
 the controller it is ready) and serves until the controller sends ``shutdown``. torch is imported late
 so argument errors come back at once.
 """
@@ -57,10 +58,12 @@ def main(argv: list[str] | None = None) -> int:
             reference = Engine(cfg.model.path, cfg.train, cfg.model.dtype, info, total_steps=cfg.run.max_steps)
             reference.setup()
         advertised, bind = worker_addresses(cfg.cluster.net)
-        port = worker_ports(port_range(cfg.cluster.net)).allocate(1)[0]
+        ports = worker_ports(port_range(cfg.cluster.net))  # this rank's own slice: its RPC port, and on rank 0
+        port = ports.allocate(1)[0]  # the weight-update group's rendezvous
         on_gpu = info.device.type == "cuda"
+        service = TrainerService(engine, cfg, rank, reference, weight_host=advertised, ports=ports)
         server = RpcServer(
-            TrainerService(engine, cfg, rank, reference).handlers(),
+            service.handlers(),
             read_token(run_dir.path),
             rank,
             host=bind,

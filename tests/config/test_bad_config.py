@@ -121,7 +121,7 @@ def test_multirun_fails_before_the_launcher_submits(main_cli, tmp_path):
         (["allocation.spec=cpu:d1+fsdp:d4g0n2"], "allocation.trainer.nodes", "1 on cluster.kind=local"),
         (["allocation.spec=cpu:d1g1+fsdp:d2g0"], "allocation.server.gpus_per_worker", "0 (the cpu server"),
         (["cluster=slurm", "allocation.spec=sglang:d2t2g1+fsdp:d8"], "allocation.server.gpus_per_worker", "tp_size=2"),
-        (["allocation.spec=cpu:d1t2+fsdp:d2g0"], "allocation.server.tp_size", "1 unless backend is sglang"),
+        (["allocation.spec=cpu:d1+fsdp:d2t2g0"], "allocation.trainer.tp_size", "1 (tensor parallelism is a server's)"),
         (["algorithm.group_size=1"], "algorithm.group_size", ">= 2"),
         (["algorithm.clip_low=1.5"], "algorithm.clip_low", "[0, 1)"),
         (["algorithm.advantage=magic"], "algorithm.advantage", "one of group_norm"),

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from hpcrl.inference.client import GenerateResult, InferenceClient, InferenceError
+from hpcrl.inference.client import ContextLengthError, GenerateResult, InferenceClient, InferenceError
 from hpcrl.net import has_ipv6
 from tests.inference.test_client_fakes import HOLD, closed_port_address, fake_servers, run, wait_for_requests
 
@@ -72,6 +72,9 @@ def test_missing_max_new_tokens_is_refused_before_sending():
         ({"addresses": ["a:1", "a:1"]}, "must not repeat"),
         ({"request_timeout_s": 0}, "request_timeout_s must be > 0"),
         ({"max_retries": -1}, "max_retries must be >= 0"),
+        ({"tp_size": 0}, "tp_size must be an integer >= 1"),
+        ({"weight_update_timeout_s": 0}, "weight_update_timeout_s must be > 0"),
+        ({"context_overflow": "cut"}, "context_overflow must be one of drop, truncate, got 'cut'"),
     ],
 )
 def test_bad_arguments_are_refused(kwargs, match):
@@ -231,5 +234,38 @@ def test_ipv6_bracketed_address_works():
             assert fake.address.startswith("[::1]:")
             await client.wait_healthy(timeout_s=5)
             assert (await client.generate([1], PARAMS)).server == fake.address
+
+    run(body())
+
+
+def test_a_prompt_over_the_context_length_is_refused_before_it_is_sent():
+    async def body():
+        async with fake_servers(1) as [fake], InferenceClient([fake.address], context_length=16) as client:
+            with pytest.raises(
+                ContextLengthError, match=r"12 tokens with max_new_tokens=5 \(17 tokens\) does not fit"
+            ) as e:
+                await client.generate([1] * 12, {"max_new_tokens": 5})
+            assert (e.value.prompt_tokens, e.value.max_new_tokens, e.value.context_length) == (12, 5, 16)
+            assert isinstance(e.value, InferenceError)  # the executor's failure policy applies to it too
+            with pytest.raises(ContextLengthError):
+                await client.generate_many([[1] * 4, [1] * 16], {"max_new_tokens": 1})
+            assert fake.requests == [], "nothing over the context may reach a server: SGLang answers HTTP 400"
+            await client.generate([1] * 12, {"max_new_tokens": 4})  # exactly the context
+            assert fake.bodies("/generate")[0]["sampling_params"] == {"max_new_tokens": 4}
+
+    run(body())
+
+
+def test_context_overflow_truncate_sends_fewer_new_tokens_when_the_prompt_leaves_room():
+    async def body():
+        options = {"context_length": 16, "context_overflow": "truncate"}
+        async with fake_servers(1) as [fake], InferenceClient([fake.address], **options) as client:
+            result = await client.generate([1] * 12, {"max_new_tokens": 10, "temperature": 1.0})
+            assert len(result.output_ids) == 4
+            assert fake.bodies("/generate")[0]["sampling_params"] == {"max_new_tokens": 4, "temperature": 1.0}
+            await client.generate_many([[1] * 2, [1] * 14], {"max_new_tokens": 5})
+            assert fake.bodies("/generate")[1]["sampling_params"] == [{"max_new_tokens": 5}, {"max_new_tokens": 2}]
+            with pytest.raises(ContextLengthError):  # a prompt that fills the context leaves no room at all
+                await client.generate([1] * 16, {"max_new_tokens": 1})
 
     run(body())

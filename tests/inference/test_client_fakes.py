@@ -28,6 +28,7 @@ class FakeServer:
         self.fail_next: list[int] = []  # HTTP statuses to answer the next requests with (any path but /health)
         self.health_status = 200
         self.hang = False  # /generate never answers
+        self.delay_s = 0.0  # every answer but /health's comes this late
         self.finish_reason: dict[str, Any] = {"type": "length"}
         self.logprob_shift = 0  # answer logprobs for token ids shifted by this much (a broken server)
         self.success = True  # what the weight endpoints report
@@ -67,6 +68,7 @@ class FakeServer:
             return web.Response(status=self.health_status)
         body = await request.json() if request.can_read_body else None
         self.requests.append((path, body))
+        await asyncio.sleep(self.delay_s)
         if self.fail_next:
             status = self.fail_next.pop(0)
             return web.Response(status=status, text=f"fake error {status} on {path}")
@@ -89,11 +91,15 @@ class FakeServer:
             await self.release.wait()
         prompts = body["input_ids"]
         batch = isinstance(prompts[0], list)
-        answers = [self._answer(ids, body) for ids in (prompts if batch else [prompts])]
+        params = body["sampling_params"]  # one dict for all prompts, or one per prompt
+        per_prompt = params if isinstance(params, list) else [params] * (len(prompts) if batch else 1)
+        answers = [
+            self._answer(ids, p, body) for ids, p in zip(prompts if batch else [prompts], per_prompt, strict=True)
+        ]
         return web.json_response(answers if batch else answers[0])
 
-    def _answer(self, input_ids: list[int], body: dict[str, Any]) -> dict[str, Any]:
-        n = body["sampling_params"]["max_new_tokens"]
+    def _answer(self, input_ids: list[int], params: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
+        n = params["max_new_tokens"]
         output_ids = [input_ids[-1] + 1 + i for i in range(n)]
         meta: dict[str, Any] = {
             "id": body.get("rid") or "r",

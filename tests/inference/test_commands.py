@@ -129,12 +129,15 @@ def test_cpu_server_command():
         "--batch-wait-ms", "2.5",
         "--dtype", "bfloat16",
         "--seed", "7",
+        "--tp-size", "1",
     ]  # fmt: skip
 
 
-def test_cpu_server_refuses_tensor_parallelism_and_warns_about_extra_args(caplog):
+def test_cpu_server_takes_a_tensor_parallel_size_and_warns_about_extra_args(caplog):
+    cmd = command("cpu", tp_size=2)  # ranks of the weight-update group, as SGLang's TP ranks join it
+    assert cmd[cmd.index("--tp-size") + 1] == "2"
     with pytest.raises(ValueError, match="tp_size"):
-        command("cpu", tp_size=2)
+        command("cpu", tp_size=0)
     with caplog.at_level(logging.WARNING):
         cmd = command("cpu", extra_args=["--enable-metrics"])
     assert "--enable-metrics" not in cmd

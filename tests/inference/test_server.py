@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hpcrl.inference.weight_group import open_weight_group, send_tensors
+from hpcrl.inference.weight_group import host_store, open_weight_group, send_tensors
 from hpcrl.models.tokenizer import load_tokenizer
 
 LONG = 6000  # new tokens no server here can produce in the second before a test interrupts them
@@ -116,7 +116,10 @@ def test_update_weights_over_a_gloo_group(fresh_server, tiny_model_b):
     model_b, tok = _reference(tiny_model_b)
     port = free_port()
     joined = {}
-    trainer = threading.Thread(target=lambda: joined.update(group=open_weight_group("127.0.0.1", port, 0, 2)))
+    store = host_store("127.0.0.1", port, timeout_s=60)  # the trainer listens first, on its own node
+    trainer = threading.Thread(
+        target=lambda: joined.update(group=open_weight_group("127.0.0.1", port, 0, 2, timeout_s=60, store=store))
+    )
     trainer.start()
     body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "backend": "gloo"}
     status, reply = server.post("/init_weights_update_group", body)
@@ -128,14 +131,17 @@ def test_update_weights_over_a_gloo_group(fresh_server, tiny_model_b):
         "names": names,
         "dtypes": [str(params[n].dtype).removeprefix("torch.") for n in names],
         "shapes": [list(params[n].shape) for n in names],
-        "weight_version": 3,
+        "weight_version": "3",
     }
+    assert server.post("/begin_weight_update", {})[0] == 200
     result = {}
     request = threading.Thread(target=lambda: result.update(r=server.post("/update_weights_from_distributed", update)))
     request.start()
     send_tensors(joined["group"], [params[n] for n in names])
     request.join(60)
     assert result["r"][0] == 200 and result["r"][1]["success"], result
+    assert result["r"][1]["message"] == "Succeeded to update parameter online. Weight version updated to 3."
+    assert server.post("/end_weight_update", {})[0] == 200
     answers = server.generate_many([_greedy_body(tok, p) for p in PROMPTS[:4]])
     for prompt, answer in zip(PROMPTS[:4], answers, strict=True):
         assert answer["output_ids"] == _greedy_ids(model_b, tok, prompt, 12)

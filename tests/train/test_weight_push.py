@@ -20,7 +20,7 @@ from hpcrl.config.schema import InferenceConfig, TrainConfig
 from hpcrl.inference.serve import start_server, stop_servers, wait_ready
 from hpcrl.train.dist import init_distributed
 from hpcrl.train.engine import Engine
-from hpcrl.train.weight_push import join_weight_group, push_over_group, weight_specs
+from hpcrl.train.weight_push import host_weight_group, join_weight_group, push_over_group, weight_specs
 from tests.conftest import REPO, run_torchrun
 from tests.inference.conftest import free_port
 
@@ -80,10 +80,14 @@ def test_weight_specs_leave_sharding_alone_and_take_a_wire_dtype(engine):
 def test_misuse_fails_on_every_rank_before_any_gather(engine):
     with pytest.raises(ValueError, match=r"this rank \(0\) passed None, expected the WeightGroup"):
         push_over_group(engine, None)
-    with pytest.raises(ValueError, match="world_size must be >= 2"):
-        join_weight_group(engine, "127.0.0.1", 1, world_size=1)
     with pytest.raises(ValueError, match="backend nccl needs the trainer on CUDA"):
-        join_weight_group(engine, "127.0.0.1", 1, world_size=2, backend="nccl")
+        host_weight_group(engine, "127.0.0.1", free_port(), backend="nccl")
+    with pytest.raises(ValueError, match="at the GroupHost that host_weight_group returned"):
+        join_weight_group(engine, None, world_size=2)
+    address = host_weight_group(engine, "127.0.0.1", free_port())
+    assert address is not None and address.backend == "gloo", "a trainer on CPU picks gloo"
+    with pytest.raises(ValueError, match="world_size must be >= 2"):
+        join_weight_group(engine, address, world_size=1)
 
 
 # ---- both paths, torchrun ranks against a live server ---------------------------------------------------
@@ -145,8 +149,9 @@ def test_push_over_group_reaches_the_server(pushed):
     assert rank1["group_is_none"], "only rank 0 joins the weight group"
     # the logprob measure tells weights apart: against the weights the server held before, it is large
     assert rank0["stale_logprob_gap"] > 100 * LOGPROB_TOLERANCE, rank0["stale_logprob_gap"]
-    # every rank took part in one gather per tensor the server was told to expect
+    # every rank took part in one gather per tensor the server was told to expect, over several calls
     assert rank0["tensors"] == rank1["tensors"] == len(rank0["specs"])
+    assert rank0["calls"] > 1, "the push went in one call: the bucket boundaries were not exercised"
 
 
 def test_ranks_agree_on_the_specs_and_they_never_change(pushed):

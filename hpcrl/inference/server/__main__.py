@@ -21,8 +21,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler")
     p.add_argument("--weight-version", default="default", help="weight_version reported until the first update")
+    p.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks that join the weight-update group (1 + N-1 children)",
+    )
+    p.add_argument("--context-length", type=int, default=0, help="prompt + new tokens at most; 0 = the model's")
+    p.add_argument(
+        "--allow-auto-truncate", action="store_true", help="cut requests over the context length instead of a 400"
+    )
     p.add_argument("--rank", default=os.environ.get("HPCRL_RANK", "0"), help="worker rank, for log lines")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.tp_size < 1:
+        p.error(f"--tp-size must be >= 1, got {args.tp_size}")
+    if args.context_length < 0:
+        p.error(f"--context-length must be >= 0, got {args.context_length}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,15 +45,28 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("server", args.rank)
     from aiohttp import web
 
+    from hpcrl.inference.context import context_length
     from hpcrl.inference.server.app import Server
     from hpcrl.inference.server.runner import ModelRunner
     from hpcrl.inference.server.scheduler import Scheduler
+    from hpcrl.inference.server.tp_ranks import TpRanks
+    from hpcrl.inference.server.weights import WeightUpdates
 
+    tp = TpRanks(args.tp_size)  # first: the children import torch while this process loads the model
     runner = ModelRunner(args.model_path, args.dtype, args.seed)
     scheduler = Scheduler(runner, args.max_running_requests, args.batch_wait_ms)
     scheduler.weight_version = args.weight_version
-    log.info("serving %s on %s port %d", args.model_path, args.host, args.port)
-    web.run_app(Server(runner, scheduler).app(), host=args.host, port=args.port, print=None, access_log=None)
+    context = args.context_length or context_length(args.model_path)
+    server = Server(runner, scheduler, WeightUpdates(runner, scheduler, tp), context, args.allow_auto_truncate)
+    log.info(
+        "serving %s on %s port %d (tp_size %d, context length %d)",
+        args.model_path,
+        args.host,
+        args.port,
+        args.tp_size,
+        context,
+    )
+    web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)
 
 
 if __name__ == "__main__":

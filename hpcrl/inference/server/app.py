@@ -1,29 +1,60 @@
-"""The CPU server's HTTP routes: the subset of SGLang's API that hpcrl uses (see sglang-http-api.md)."""
+"""The CPU server's HTTP routes: the subset of SGLang 0.5.23's API that hpcrl uses, as strictly as SGLang.
+
+Generation, health, pause and the cache are here; the weight-update endpoints in ``weights.py``. What
+SGLang does and this server does too (facts in ../shared/reference/sglang-http-api.md):
+
+- ``/generate``: a prompt of the context length or longer, or prompt + ``max_new_tokens`` over it, is a
+  400 with SGLang's message (``--allow-auto-truncate``: the prompt is cut, then ``max_new_tokens``);
+- ``/health`` answers 200 only when a one-token generation comes back within ``HEALTH_TIMEOUT_S``, and
+  503 while generation is paused (SGLang's health generation waits behind the pause, then gives up);
+- ``/flush_cache`` is a 400 while requests run or wait (waiting ones are fine while paused), or after
+  waiting ``?timeout=S`` for that;
+- ``/abort_request`` aborts every request whose rid starts with ``rid``, or all with ``abort_all``; an
+  empty rid without ``abort_all`` aborts nothing; the answer is an empty 200;
+- ``/pause_generation`` and ``/continue_generation`` need a JSON body (``{}`` at least).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from typing import Any
 
-import torch
 from aiohttp import web
 
-from hpcrl.inference.server.protocol import parse_generate, response
+from hpcrl.inference.context import fit
+from hpcrl.inference.server import requests
+from hpcrl.inference.server.protocol import Prompt, parse_generate, response
+from hpcrl.inference.server.requests import read_body
 from hpcrl.inference.server.runner import ModelRunner
-from hpcrl.inference.server.sampling import RequestError
+from hpcrl.inference.server.sampling import RequestError, SamplingParams
 from hpcrl.inference.server.scheduler import Scheduler, Sequence
-from hpcrl.inference.weight_group import close_weight_group, open_weight_group, receive_tensors
+from hpcrl.inference.server.weights import WeightUpdates
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 << 20
-PAUSE_MODES = ("abort", "in_place", "retract")
+HEALTH_TIMEOUT_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT
+HEALTH_RID_PREFIX = "HEALTH_CHECK"
+FLUSHED = (
+    "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, "
+    "the operation will not be performed.)\n"
+)
+_FLUSH_POLL_S = 0.05
 
 
 class Server:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler):
-        self.runner, self.scheduler = runner, scheduler
-        self.groups: dict[str, Any] = {}
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        weights: WeightUpdates,
+        context_length: int,
+        allow_auto_truncate: bool = False,
+    ):
+        self.runner, self.scheduler, self.weights = runner, scheduler, weights
+        self.context_length = context_length
+        self.allow_auto_truncate = allow_auto_truncate
         self.loop_task: asyncio.Task | None = None
 
     def app(self) -> web.Application:
@@ -32,18 +63,16 @@ class Server:
         app.add_routes(
             [
                 get("/health", self.health),
+                get("/health_generate", self.health),
                 get("/model_info", self.model_info),
                 get("/get_model_info", self.model_info),
                 post("/generate", self.generate),
-                post("/update_weights_from_disk", self.update_from_disk),
-                post("/init_weights_update_group", self.init_group),
-                post("/update_weights_from_distributed", self.update_from_distributed),
-                post("/destroy_weights_update_group", self.destroy_group),
                 get("/flush_cache", self.flush_cache),
                 post("/flush_cache", self.flush_cache),
                 post("/pause_generation", self.pause),
                 post("/continue_generation", self.resume),
                 post("/abort_request", self.abort),
+                *self.weights.routes(),
             ]
         )
         app.on_startup.append(self._start_loop)
@@ -56,10 +85,23 @@ class Server:
     async def _stop_loop(self, _: web.Application) -> None:
         if self.loop_task:
             self.loop_task.cancel()
+        self.weights.tp.close()
 
     async def health(self, _: web.Request) -> web.Response:
-        alive = self.loop_task is not None and not self.loop_task.done()
-        return web.Response(status=200 if alive else 503)
+        """200 once a one-token generation came back; 503 while paused, or when it does not in time."""
+        if self.loop_task is None or self.loop_task.done() or self.scheduler.pause_mode:
+            return web.Response(status=503)
+        rid = f"{HEALTH_RID_PREFIX}_{uuid.uuid4().hex}"
+        probe = Sequence(
+            rid, [0], SamplingParams(max_new_tokens=1, temperature=0), asyncio.get_running_loop().create_future()
+        )
+        try:
+            await asyncio.wait_for(self.scheduler.generate([probe]), HEALTH_TIMEOUT_S)
+        except TimeoutError:
+            self.scheduler.abort(rid)
+            log.error("health check failed: no generation within %g s", HEALTH_TIMEOUT_S)
+            return web.Response(status=503)
+        return web.Response(status=200)
 
     async def model_info(self, _: web.Request) -> web.Response:
         return web.json_response(
@@ -69,11 +111,15 @@ class Server:
                 "is_generation": True,
                 "weight_version": self.scheduler.weight_version,
                 "preferred_sampling_params": None,
+                "context_length": self.context_length,
+                **self.weights.info(),
             }
         )
 
     async def generate(self, request: web.Request) -> web.Response:
         prompts, single = parse_generate(await _json(request), self._tokenize, self.runner.vocab_size)
+        for prompt in prompts:
+            self._fit(prompt)
         loop = asyncio.get_running_loop()
         pairs = []
         for p in prompts:
@@ -85,76 +131,55 @@ class Server:
         out = [response(s, p, decode(s.output_ids, skip_special_tokens=p.params.skip_special_tokens)) for s, p in pairs]
         return web.json_response(out[0] if single else out)
 
-    async def update_from_disk(self, request: web.Request) -> web.Response:
-        body = await _json(request)
-        path = _field(body, "model_path", str)
-        if body.get("abort_all_requests"):
-            self.scheduler.abort()
+    def _fit(self, prompt: Prompt) -> None:
+        """SGLang's context-length rule for one prompt: a 400, or (--allow-auto-truncate) cut to fit."""
+        context, params = self.context_length, prompt.params
+        problem = fit(len(prompt.input_ids), params.max_new_tokens, context)
+        if not problem:
+            return
+        if not self.allow_auto_truncate:
+            raise RequestError(problem)
+        log.warning("%s Truncating (--allow-auto-truncate).", problem)
+        del prompt.input_ids[context:]  # as SGLang cuts: the prompt, then max_new_tokens
+        params.max_new_tokens = max(0, min(params.max_new_tokens, context - len(prompt.input_ids)))
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        """No prefix cache is kept across requests, so a flush only has SGLang's rule to follow."""
         try:
-            await self.scheduler.update_weights(lambda: self.runner.load_weights_from_disk(path), _version(body))
-        except (OSError, KeyError, ValueError) as e:
-            return web.json_response({"success": False, "message": f"failed to load {path}: {e}"}, status=400)
-        log.info("loaded weights version %s from %s", self.scheduler.weight_version, path)
-        return web.json_response({"success": True, "message": f"loaded {path}", "num_paused_requests": 0})
-
-    async def init_group(self, request: web.Request) -> web.Response:
-        body = await _json(request)
-        name = body.get("group_name", "weight_update_group")
-        args = (_field(body, "master_address", str), _field(body, "master_port", int))
-        rank, world = _field(body, "rank_offset", int), _field(body, "world_size", int)
-        backend = body.get("backend", "nccl")
-        if backend == "nccl" and not torch.cuda.is_available():
-            backend = "gloo"  # the CPU server has no GPU; gloo moves the same bytes
-        self.groups[name] = await asyncio.to_thread(open_weight_group, *args, rank, world, name, backend)
-        return web.json_response({"success": True, "message": f"joined {name} as rank {rank} of {world}"})
-
-    async def update_from_distributed(self, request: web.Request) -> web.Response:
-        body = await _json(request)
-        group = self._group(body)
-        names, dtypes, shapes = (_field(body, k, list) for k in ("names", "dtypes", "shapes"))
-        if not len(names) == len(dtypes) == len(shapes):
-            raise RequestError("names, dtypes and shapes must have the same length")
-        specs = [(n, _dtype(d), list(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)]
-        tensors = await asyncio.to_thread(receive_tensors, group, specs)
-        await self.scheduler.update_weights(lambda: self.runner.load_tensors(tensors), _version(body))
-        return web.json_response({"success": True, "message": f"updated {len(tensors)} tensors"})
-
-    async def destroy_group(self, request: web.Request) -> web.Response:
-        body = await _json(request)
-        group = self._group(body)
-        self.groups.pop(body.get("group_name", "weight_update_group"))
-        await asyncio.to_thread(close_weight_group, group)
-        return web.json_response({"success": True, "message": "destroyed"})
-
-    async def flush_cache(self, _: web.Request) -> web.Response:
-        # no prefix cache is kept across requests, so there is nothing to flush
-        return web.Response(text="Cache flushed.\n")
+            timeout_s = float(request.query.get("timeout", 0.0))
+        except ValueError:
+            raise RequestError(f"timeout={request.query['timeout']!r} is not a number of seconds") from None
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not self.scheduler.idle():
+            if asyncio.get_running_loop().time() >= deadline:
+                message = "Timed out waiting for idle state." if timeout_s > 0 else "Flush cache failed.\n"
+                return web.Response(status=400, text=message)
+            await asyncio.sleep(_FLUSH_POLL_S)
+        return web.Response(text=FLUSHED)
 
     async def pause(self, request: web.Request) -> web.Response:
-        body = await _json(request, default={})
-        mode = body.get("mode", "abort")
-        if mode not in PAUSE_MODES:
-            raise RequestError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
-        await self.scheduler.pause(mode)
+        body = await read_body(request, requests.PAUSE)
+        await self.scheduler.pause(body.get("mode", "abort"))
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
-    async def resume(self, _: web.Request) -> web.Response:
+    async def resume(self, request: web.Request) -> web.Response:
+        await read_body(request, requests.CONTINUE)
         await self.scheduler.resume()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def abort(self, request: web.Request) -> web.Response:
-        body = await _json(request)
-        rid = None if body.get("abort_all") else _field(body, "rid", str)
-        return web.json_response({"aborted": self.scheduler.abort(rid)})
+        body = await read_body(request, requests.ABORT)
+        rid = body.get("rid") or ""
+        if body.get("abort_all"):
+            self.scheduler.abort()
+        elif rid:
+            self.scheduler.abort(rid)
+        else:
+            log.warning("Ignore abort_request with empty rid and abort_all=False")
+        return web.Response(status=200)
 
     def _tokenize(self, text: str) -> list[int]:
         return self.runner.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def _group(self, body: dict) -> Any:
-        name = body.get("group_name", "weight_update_group")
-        if name not in self.groups:
-            raise RequestError(f"no weights update group {name!r}; call /init_weights_update_group first")
-        return self.groups[name]
 
 
 @web.middleware
@@ -166,30 +191,10 @@ async def _errors_as_json(request: web.Request, handler) -> web.StreamResponse:
         return web.json_response({"error": {"message": str(e)}}, status=400)
 
 
-async def _json(request: web.Request, default: Any = None) -> Any:
+async def _json(request: web.Request) -> Any:
     if not request.can_read_body:
-        if default is not None:
-            return default
         raise RequestError("the body must be a JSON object")
     try:
         return await request.json()
     except ValueError as e:
         raise RequestError(f"the body is not valid JSON: {e}") from None
-
-
-def _field(body: Any, name: str, kind: type) -> Any:
-    if not isinstance(body, dict) or not isinstance(body.get(name), kind) or isinstance(body.get(name), bool):
-        raise RequestError(f"field {name!r} must be a {kind.__name__}")
-    return body[name]
-
-
-def _version(body: dict) -> str | None:
-    version = body.get("weight_version")
-    return None if version is None else str(version)
-
-
-def _dtype(name: Any) -> torch.dtype:
-    dtype = getattr(torch, str(name).removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise RequestError(f"unknown dtype {name!r}; expected a torch dtype name such as bfloat16")
-    return dtype

@@ -78,16 +78,21 @@ class Scheduler:
         await asyncio.gather(*(seq.done for seq in sequences))
 
     def abort(self, rid: str | None = None) -> int:
-        """Abort requests whose rid is ``rid`` (or starts with ``rid-``); every request when rid is None."""
+        """Abort requests whose rid starts with ``rid`` (SGLang's match); every request when rid is None."""
         hit = 0
         for seq in [*self.waiting, *self.running.values()]:
-            if rid is None or seq.rid == rid or seq.rid.startswith(f"{rid}-"):
+            if rid is None or seq.rid.startswith(rid):
                 seq.abort_requested, hit = True, hit + 1
         self._interrupt.set()
         for seq in [s for s in self.waiting if s.abort_requested]:
             self.waiting.remove(seq)
             self._finish(seq, {"type": "abort", "message": "aborted by /abort_request"})
         return hit
+
+    def idle(self) -> bool:
+        """Nothing runs and nothing waits (while paused, waiting requests do not count): SGLang's condition
+        for flushing its cache."""
+        return not self.running and not self._batch_active and (not self.waiting or self.pause_mode is not None)
 
     async def pause(self, mode: str) -> None:
         self.pause_mode = mode
@@ -98,6 +103,9 @@ class Scheduler:
                 self._finish(seq, {"type": "abort", "message": "generation paused"})
             self.waiting.clear()
         await self._notify()
+        if mode == "abort":  # as SGLang, answer once the running batch has ended with its aborts
+            async with self._changed:
+                await self._changed.wait_for(lambda: not self._batch_active)
 
     async def resume(self) -> None:
         self.pause_mode = None

@@ -7,9 +7,11 @@ the collectives). Each phase first trains a few steps towards its own completion
 are stale, then pushes:
 
 - ``disk``: ``push_to_disk`` -> ``/update_weights_from_disk`` with weight_version 1.
-- ``group``: ``/init_weights_update_group`` beside ``join_weight_group``, then
-  ``/update_weights_from_distributed`` (version 2) beside ``push_over_group`` on every rank, with the
-  root's parameters left unsharded by a forward and ``weight_specs`` called on rank 0 alone beforehand.
+- ``group``: rank 0 hosts the group (``host_weight_group``, on GROUP_PORT of this node), then
+  ``/init_weights_update_group`` beside ``join_weight_group``, then a session: ``/begin_weight_update``,
+  one ``/update_weights_from_distributed`` (version 2) per bucket of at most BUCKET_BYTES beside
+  ``push_over_group`` on every rank, ``/end_weight_update``; with the root's parameters left unsharded by a
+  forward and ``weight_specs`` called on rank 0 alone beforehand.
 
 For each phase rank 0 records the server's greedy completions before and after the push, those of
 transformers' ``generate`` on the exported trainer model, the largest gap between the server's logprobs and
@@ -31,11 +33,19 @@ import torch.distributed as dist
 
 from hpcrl.config.schema import TrainConfig
 from hpcrl.inference.client import InferenceClient
+from hpcrl.inference.weight_group import buckets
 from hpcrl.logs import setup_logging
 from hpcrl.train.batch import MicroBatch, Normalizer, Sequence
 from hpcrl.train.dist import DistInfo, init_distributed
 from hpcrl.train.engine import Engine
-from hpcrl.train.weight_push import join_weight_group, leave_weight_group, push_over_group, push_to_disk, weight_specs
+from hpcrl.train.weight_push import (
+    host_weight_group,
+    join_weight_group,
+    leave_weight_group,
+    push_over_group,
+    push_to_disk,
+    weight_specs,
+)
 
 PROMPTS = ["3+4=", "hello", "a", "The cat", "12+7=", "xy"]
 TARGETS = {"disk": "qrsqrsqrsqrs", "group": "0909090909"}  # what each phase trains the completions towards
@@ -45,6 +55,7 @@ TRAIN = TrainConfig(lr=3e-3, grad_clip=1.0, micro_batch_tokens=64)
 HTTP_TIMEOUT_S = 60.0
 HOST = "127.0.0.1"
 GROUP_WORLD_SIZE = 2  # trainer rank 0 and the one server's one rank
+BUCKET_BYTES = 64 << 10  # several calls for the tiny model: the bucket boundaries are exercised
 
 
 def sft_loss(logprobs: torch.Tensor, mb: MicroBatch, norm: Normalizer):
@@ -137,13 +148,19 @@ def group_phase(engine: Engine, tok, address: str, port: int, out: Path, info: D
     forward(engine, tok)
     specs = weight_specs(engine) if info.is_main else []  # rank 0 alone, with the root's parameters unsharded
     forward(engine, tok)  # would hang or fail if weight_specs had resharded rank 0 alone
-    names, dtypes, shapes = zip(*specs, strict=True) if specs else ((), (), ())
+    calls = buckets(specs, BUCKET_BYTES)
+    rendezvous = host_weight_group(engine, HOST, port, timeout_s=120)  # None on the other ranks
 
     async def init(client):
-        return await client.init_weights_update_group(HOST, port, backend="gloo")
+        assert rendezvous is not None
+        return await client.init_weights_update_group(rendezvous.host, rendezvous.port, backend=rendezvous.backend)
 
     async def update(client):
-        await client.update_weights_from_distributed(names, dtypes, shapes, weight_version=2)
+        await client.begin_weight_update()
+        for i, bucket in enumerate(calls):
+            names, dtypes, shapes = zip(*bucket, strict=True)
+            await client.update_weights_from_distributed(names, dtypes, shapes, 2, flush_cache=i == len(calls) - 1)
+        await client.end_weight_update()
 
     async def destroy(client):
         await client.destroy_weights_update_group()
@@ -151,7 +168,7 @@ def group_phase(engine: Engine, tok, address: str, port: int, out: Path, info: D
     with ThreadPoolExecutor(1) as pool:
         # the server joins inside its HTTP handler, rank 0 here, and each waits for the other
         joining = in_thread(pool, address, init) if info.is_main else None
-        group = join_weight_group(engine, HOST, port, world_size=GROUP_WORLD_SIZE)  # None on the other ranks
+        group = join_weight_group(engine, rendezvous, world_size=GROUP_WORLD_SIZE, timeout_s=120)  # None but on rank 0
         world = joining.result(timeout=HTTP_TIMEOUT_S) if joining else None
         start = time.monotonic()
         receiving = in_thread(pool, address, update) if info.is_main else None
@@ -175,6 +192,7 @@ def group_phase(engine: Engine, tok, address: str, port: int, out: Path, info: D
         "world_size": world,
         "backend": group.backend,
         "specs": specs,
+        "calls": len(calls),
         # the same measure against the weights the server held before: shows the gap above is no accident
         "stale_logprob_gap": reference(out / "pushed_disk", tok, after, logprobs)["max_logprob_gap"],
     } | reference(path, tok, after, logprobs)

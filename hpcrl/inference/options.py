@@ -1,0 +1,24 @@
+"""The ``InferenceClient`` settings of a run, from its config: the controller's client and each rollout
+worker's are the same (deadlines, the servers' tensor-parallel size, the context check)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hpcrl.config.schema import Config
+from hpcrl.inference.context import context_length
+
+
+def client_options(cfg: Config) -> dict[str, Any]:
+    """Keyword arguments of ``InferenceClient`` (all but the addresses) for the run of ``cfg``; ``cfg.model.path``
+    must name the model the servers load (the run's config.yaml does)."""
+    server = cfg.allocation.server
+    extra_args = cfg.inference.extra_args if server.backend == "sglang" else ()  # the cpu server ignores them
+    return {
+        "request_timeout_s": cfg.rollout.request_timeout_s,
+        "no_server_timeout_s": cfg.cluster.server_wait_s(),  # how long a request waits for a restarting server
+        "tp_size": server.tp_size,
+        "weight_update_timeout_s": cfg.inference.weight_update_timeout_s,
+        "context_length": context_length(cfg.model.path, extra_args),
+        "context_overflow": cfg.inference.context_overflow,
+    }
