@@ -84,10 +84,13 @@ def test_every_trained_token_is_within_the_staleness_bound(tmp_path, staleness):
 
 @pytest.mark.slow
 def test_no_group_is_trained_past_the_staleness_bound_when_completion_lengths_vary_widely(tmp_path):
-    # multi-turn trajectories of 1 to 6 turns: a group of long ones finishes steps after groups started later
+    # multi-turn trajectories of 1 to 6 turns, and a reward that takes 0.5 s per turn for one prompt in four: such
+    # groups finish steps after groups started after them (taken in completion order, as before, some steps
+    # here trained groups 2 versions behind; see tests/rollout/test_executor.py for the exact bound)
     trial = "varied"
     overrides = [f"run.trial={trial}", "experiment=mod10_multi_turn", "workflow.max_turns=6", "run.max_steps=8"]
     overrides += ["rollout.max_staleness=1", "rollout.prompts_per_step=8", "eval.stop_at_accuracy=0"]
+    overrides += ["reward.fn=tests.controller.rewards:mod10_slow_for_some", "reward.workers=8"]
     summary_of(run_job(tmp_path, *overrides, "eval.every_steps=0"))
     rows = metrics_of(tmp_path / "mod10_multi_turn" / trial)
     assert [r["step"] for r in rows] == list(range(1, 9))
