@@ -276,7 +276,7 @@ class Loop:
 
         while True:
             try:
-                return await self.w.episodes.run(row)
+                return await self.w.episodes.run(row, seed=self._seed(row))
             except RolloutWorkerLost as e:
                 self.counters["episodes_lost"] = self.counters.get("episodes_lost", 0) + 1
                 log.warning("%s; running the episode again on the remaining rollout workers", e)

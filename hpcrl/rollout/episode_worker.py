@@ -66,6 +66,7 @@ from hpcrl.rundir import RunDir
 
 if TYPE_CHECKING:
     from hpcrl.inference.client import InferenceClient
+    from hpcrl.inference.options import client_options
 
 log = logging.getLogger("hpcrl.rollout.episode_worker")
 
@@ -137,10 +138,8 @@ async def serve(
     resumed = asyncio.Event()
     resumed.set()
     try:
-        request_timeout_s, no_server_s = cfg.rollout.request_timeout_s, cfg.cluster.server_wait_s()
-        async with InferenceClient(
-            servers, request_timeout_s=request_timeout_s, no_server_timeout_s=no_server_s
-        ) as client:
+        # the controller's settings: deadlines, the context check before sending, the servers' tp size
+        async with InferenceClient(servers, **client_options(cfg)) as client:
             poll_s = cfg.inference.health_poll_s
             await client.wait_healthy(setup_timeout(cfg), check_alive=lambda: _check(signals), poll_s=poll_s)
             workflow = make_workflow(cfg, client, tokenizer, rewards, resumed)
@@ -226,7 +225,7 @@ class EpisodeService:
         assert task is not None
         self._running.add(task)
         try:
-            group = await self.workflow.run(request.prompt, request.answer)
+            group = await self.workflow.run(request.prompt, request.answer, seed=request.seed)
         finally:
             self._running.discard(task)
         self.served += 1

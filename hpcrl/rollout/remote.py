@@ -53,6 +53,7 @@ register(Group)
 class EpisodeRequest:
     prompt: str  # the prompt, templated as the dataset makes it
     answer: str  # the reference answer the reward compares with
+    seed: int | None = None  # the episode's seed, which its requests' sampling seeds derive from; None: none
 
 
 @register
@@ -142,10 +143,10 @@ class RemoteEpisodes:
 
     # --- what the controller calls ----------------------------------------------------------------------
 
-    async def run(self, row: Mapping[str, Any]) -> Group:
+    async def run(self, row: Mapping[str, Any], seed: int | None = None) -> Group:
         """One episode of ``row`` (its ``prompt`` and ``answer``) on the least-loaded live worker."""
         worker = self._pick()
-        request = EpisodeRequest(row["prompt"], row["answer"])
+        request = EpisodeRequest(row["prompt"], row["answer"], seed)
         worker.in_flight += 1
         call = asyncio.create_task(worker.episodes.call("run_episode", [request]))
         try:

@@ -100,3 +100,21 @@ def test_the_same_seed_gives_the_same_samples_on_a_real_server(server):
     assert first == again
     assert first != other
     assert len({tuple(s) for s in first}) > 1, "the samples of a group differ from one another"
+
+
+def test_a_rollout_worker_samples_an_episode_by_the_seed_it_is_sent(tiny_model, server, tmp_path):
+    from hpcrl.rollout.remote import RemoteEpisodes
+    from tests.rollout.test_episode_worker import ROWS, make_run, rollout_workers
+
+    run_dir, token = make_run(tmp_path, tiny_model, server.address)
+    scheduler, spec, _ = rollout_workers(run_dir, workers=1)
+    with scheduler:
+        entries = scheduler.start(spec).wait_ready()
+
+        async def samples(seed):
+            async with RemoteEpisodes([e.address for e in entries], token, heartbeat_s=0.5) as remote:
+                group = await remote.run(ROWS[0], seed=seed)
+                return [s.output_ids for s in group.samples]
+
+        first, again, other = (asyncio.run(samples(seed)) for seed in (5, 5, 6))
+    assert first == again and first != other
