@@ -66,7 +66,6 @@ from hpcrl.rundir import RunDir
 
 if TYPE_CHECKING:
     from hpcrl.inference.client import InferenceClient
-    from hpcrl.inference.options import client_options
 
 log = logging.getLogger("hpcrl.rollout.episode_worker")
 
@@ -138,8 +137,10 @@ async def serve(
     resumed = asyncio.Event()
     resumed.set()
     try:
-        # the controller's settings: deadlines, the context check before sending, the servers' tp size
-        async with InferenceClient(servers, **client_options(cfg)) as client:
+        request_timeout_s, no_server_s = cfg.rollout.request_timeout_s, cfg.cluster.server_wait_s()
+        async with InferenceClient(
+            servers, request_timeout_s=request_timeout_s, no_server_timeout_s=no_server_s
+        ) as client:
             poll_s = cfg.inference.health_poll_s
             await client.wait_healthy(setup_timeout(cfg), check_alive=lambda: _check(signals), poll_s=poll_s)
             workflow = make_workflow(cfg, client, tokenizer, rewards, resumed)
