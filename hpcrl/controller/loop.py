@@ -281,9 +281,9 @@ class Loop:
                 self.counters["episodes_lost"] = self.counters.get("episodes_lost", 0) + 1
                 log.warning("%s; running the episode again on the remaining rollout workers", e)
 
-    def _reject(self, group: Group) -> str | None:
+    def _reject(self, group: Group) -> tuple[str, str] | None:
         """Apply reward.on_error and DAPO's filter: why the group is not trained on (a cause of the executor's
-        ``CAUSES``), or None; failed rewards are scored 0 under on_error=zero."""
+        ``CAUSES``, and what happened), or None; failed rewards are scored 0 under on_error=zero."""
         failed = [s for s in group.samples if s.reward_error is not None]
         if failed:
             self.counters["reward_errors"] += len(failed)
@@ -292,13 +292,13 @@ class Loop:
                 raise RewardError(f"{len(failed)} reward call(s) failed for {group.prompt!r}: {failed[0].reward_error}")
             if policy == "drop":
                 self.counters["groups_dropped"] += 1
-                return "reward_error"
+                return "reward_error", f"{len(failed)} of {len(group.samples)} failed: {failed[0].reward_error}"
             for sample in failed:
                 sample.reward = 0.0
         rewards = {s.reward for s in group.samples}
         if self.cfg.algorithm.drop_equal_reward_groups and len(rewards) == 1:
             self.counters["groups_equal_reward"] += 1
-            return "equal_rewards"
+            return "equal_rewards", f"every reward {rewards.pop()} for {group.prompt!r}"
         return None
 
     async def _push(self, sync: WeightSync, step: int) -> None:

@@ -87,7 +87,7 @@ class RolloutExecutor:
         batch_size: int,
         max_concurrent: int,
         max_staleness: int,
-        reject: Callable[[Any], str | None] = lambda _: None,  # why a finished group is not trained on, or None
+        reject: Callable[[Any], tuple[str, str] | None] = lambda _: None,  # (cause, what happened), or None: keep it
         classify: Callable[[BaseException], str | None] = lambda _: None,  # cause of an episode error, or None
         max_rejected_in_a_row: int = 0,  # 0: 4 batches' worth
     ):
@@ -173,9 +173,11 @@ class RolloutExecutor:
         slot = self.running.pop(task, None)
         if task.cancelled() or slot is None:
             return
+        cause = None
         try:
             group = task.result()
-            cause = self.reject(group)
+            if rejected := self.reject(group):
+                cause, self.last_error[rejected[0]] = rejected
         except Exception as e:  # the episode, or the reject policy (e.g. reward.on_error=fail), failed
             cause = self.classify(e)
             if cause is None:

@@ -103,7 +103,7 @@ def test_rejected_groups_free_their_capacity():
             batch_size=2,
             max_concurrent=10,
             max_staleness=0,
-            reject=lambda r: None if r % 2 == 0 else "equal_rewards",
+            reject=lambda r: None if r % 2 == 0 else ("equal_rewards", "every reward 0.0"),
         )
         ex.start()
         await settle()
@@ -269,7 +269,7 @@ def test_rejections_in_a_row_fail_the_run_with_counts_by_cause_and_what_to_chang
             batch_size=2,
             max_concurrent=2,
             max_staleness=0,
-            reject=lambda row: causes[row % 4],
+            reject=lambda row: (causes[row % 4], f"row {row}"),
             classify=flaky_fails_its_group,
         )
         ex.start()
@@ -281,7 +281,7 @@ def test_rejections_in_a_row_fail_the_run_with_counts_by_cause_and_what_to_chang
         counts = "2 reward errors, 4 all-equal rewards, 0 too long, 2 failed"
         assert f"(rollout.max_rejected_in_a_row=8): {counts}" in message
         assert "reward.on_error=zero" in message and "algorithm.drop_equal_reward_groups=false" in message
-        assert "last: Flaky: server said 503 for row 7" in message
+        assert "last: Flaky: server said 503 for row 7" in message and "(last: row 6)" in message
         assert "rollout.max_new_tokens" not in message, "advice only for the causes that occurred"
         assert message.endswith("or raise rollout.max_rejected_in_a_row")
         await ex.close()
@@ -301,7 +301,7 @@ def test_an_accepted_group_resets_the_count_in_a_row():
             batch_size=2,
             max_concurrent=1,
             max_staleness=0,
-            reject=lambda row: None if row % 3 == 2 else "equal_rewards",
+            reject=lambda row: None if row % 3 == 2 else ("equal_rewards", "every reward 0.0"),
             max_rejected_in_a_row=3,
         )
         ex.start()
@@ -325,7 +325,7 @@ def test_a_batch_with_more_rejected_groups_than_accepted_logs_a_warning(caplog):
             batch_size=2,
             max_concurrent=1,
             max_staleness=0,
-            reject=lambda row: "equal_rewards" if row in (0, 1, 2) else None,
+            reject=lambda row: ("equal_rewards", "every reward 0.0") if row in (0, 1, 2) else None,
         )
         ex.start()
         with caplog.at_level(logging.WARNING, logger="hpcrl.rollout.executor"):
