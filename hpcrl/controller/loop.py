@@ -1,13 +1,18 @@
 """One RL run's loop: rollout -> train step -> weight sync -> eval -> checkpoint -> metrics, to the budget or target.
 
-Waits: the loop waits on the rollout executor for a batch of accepted groups, then on the trainers
-(every rank, one RPC each), then on the weight sync (servers paused, weights pushed, resumed). A
-watchdog checks every second that every worker process is alive; if one dies, the loop is cancelled
-and the watchdog's error (naming the worker) is raised.
+Waits: the loop waits on the rollout executor for a batch of accepted groups (the oldest-started ones: see
+``hpcrl/rollout/executor.py``), then on the trainers (every rank, one RPC each: the proximal logprobs once for
+decoupled PPO, then ``algorithm.updates_per_batch`` updates), then on the weight sync (servers paused, weights
+pushed, resumed). A watchdog checks every second that every worker process is alive; if one dies, the loop is
+cancelled and the watchdog's error (naming the worker) is raised. A restarted server's rejoin runs as a task
+of its own, so the watchdog never waits on a reload.
 
-Checkpoints and resuming (``recovery.py``): every ``checkpoint.every_steps`` steps the loop saves the
-controller's state and the trainers' after the step's eval. With ``recover.mode=auto`` it starts from the
-newest complete checkpoint: the trainers load it and the servers get its weights before the first rollout.
+Checkpoints and resuming (``recovery.py``): every ``checkpoint.every_steps`` steps, after the step's eval, the
+loop takes the controller's state and has the trainers write theirs, writes the step's metrics line, and only
+then marks the checkpoint complete (``controller.json``), so no complete checkpoint lacks its step's line. With
+``recover.mode=auto`` it starts from the newest usable checkpoint (a damaged one, or one the trainers cannot
+load, is set aside for the one before): the trainers load it and the servers get its weights before the
+first rollout.
 """
 
 from __future__ import annotations
