@@ -131,16 +131,15 @@ async def serve(
 ) -> int:
     """Serve episodes until ``shutdown`` or a signal; returns the exit status."""
     from hpcrl.inference.client import InferenceClient
+    from hpcrl.inference.options import client_options
     from hpcrl.rollout.workflows import make_workflow
 
     signals = _catch_signals()
     resumed = asyncio.Event()
     resumed.set()
     try:
-        request_timeout_s, no_server_s = cfg.rollout.request_timeout_s, cfg.cluster.server_wait_s()
-        async with InferenceClient(
-            servers, request_timeout_s=request_timeout_s, no_server_timeout_s=no_server_s
-        ) as client:
+        # the controller's settings: deadlines, the context check before sending, the servers' tp size
+        async with InferenceClient(servers, **client_options(cfg)) as client:
             poll_s = cfg.inference.health_poll_s
             await client.wait_healthy(setup_timeout(cfg), check_alive=lambda: _check(signals), poll_s=poll_s)
             workflow = make_workflow(cfg, client, tokenizer, rewards, resumed)

@@ -25,6 +25,7 @@ class FakeServer:
         self.host = host
         self.address = ""
         self.requests: list[tuple[str, Any]] = []  # (path, JSON body or None), in arrival order
+        self.calls: list[tuple[str, str, Any]] = []  # (method, path, JSON body or None: no body), the same
         self.fail_next: list[int] = []  # HTTP statuses to answer the next requests with (any path but /health)
         self.health_status = 200
         self.hang = False  # /generate never answers
@@ -65,9 +66,11 @@ class FakeServer:
         path = request.path
         if path == "/health":
             self.requests.append((path, None))
+            self.calls.append((request.method, path, await request.json() if request.can_read_body else None))
             return web.Response(status=self.health_status)
         body = await request.json() if request.can_read_body else None
         self.requests.append((path, body))
+        self.calls.append((request.method, path, body))
         await asyncio.sleep(self.delay_s)
         if self.fail_next:
             status = self.fail_next.pop(0)
