@@ -71,7 +71,8 @@ def job_folders(sweep_dir: Path) -> list[Path]:
     """``<sweep dir>/.submitit/<job id>``: the controller jobs' pickles and logs, in submission order."""
     # submitit also makes a folder named after its pattern (%j), which stays empty
     folders = [p for p in (sweep_dir / ".submitit").iterdir() if p.is_dir() and p.name != "%j"]
-    return sorted(folders, key=lambda p: [int(part) for part in re.findall(r"\d+", p.name)])
+    tasks = [p for p in folders if "_" in p.name]  # a sweep on Slurm is a job array: <id>_<task> for each job
+    return sorted(tasks or folders, key=lambda p: [int(part) for part in re.findall(r"\d+", p.name)])
 
 
 def job_folder(sweep_dir: Path) -> Path:
