@@ -46,8 +46,7 @@ Episode = Callable[[Any], Awaitable[Any]]
 CAUSES = {
     "reward_error": (
         "reward errors",
-        "the reward function raised or timed out under reward.on_error=drop: fix it (logs/controller.log shows "
-        "its error) or set reward.on_error=zero",
+        "the reward function raised or timed out under reward.on_error=drop: fix it, or set reward.on_error=zero",
     ),
     "equal_rewards": (
         "all-equal rewards",
