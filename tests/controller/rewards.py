@@ -11,3 +11,8 @@ def mod10_slow_for_some(prompt: str, completion: str, answer: str) -> float:
     if sum(map(ord, prompt)) % 4 == 0:
         time.sleep(0.5)
     return mod10(prompt, completion, answer)
+
+
+def always_raises(prompt: str, completion: str, answer: str) -> float:
+    """A reward that cannot score anything: every group is dropped under reward.on_error=drop."""
+    raise ValueError(f"no score for {completion!r}")

@@ -100,6 +100,20 @@ def test_no_group_is_trained_past_the_staleness_bound_when_completion_lengths_va
 
 
 @pytest.mark.slow
+def test_a_run_whose_every_group_is_rejected_fails_saying_why_and_what_to_change(tmp_path):
+    # before, the rollout started replacements forever: no step, no error, no log line
+    overrides = ["run.trial=rejected", "reward.fn=tests.controller.rewards:always_raises", "rollout.prompts_per_step=8"]
+    result = run_job(tmp_path, *overrides, timeout=300)
+    assert result.returncode != 0
+    message = "the rollout is stuck: 32 groups in a row were rejected and none accepted "
+    message += "(rollout.max_rejected_in_a_row=32): 32 reward errors, 0 all-equal rewards, 0 too long, 0 failed."
+    assert message in result.stderr, result.stderr[-3000:]
+    assert "or set reward.on_error=zero (last: 8 of 8 failed: " in result.stderr, result.stderr[-3000:]
+    assert "no score for" in result.stderr
+    assert not (tmp_path / "default" / "rejected" / "metrics.jsonl").read_text(), "no step was trained"
+
+
+@pytest.mark.slow
 def test_two_runs_with_the_same_seed_sample_the_same_rewards(tmp_path):
     # synchronous rollout, one server: every request carries a sampling seed derived from run.seed, the row and
     # the sample, and the batches are taken in start order, so the samples, and their rewards, repeat exactly
