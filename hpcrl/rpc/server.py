@@ -2,7 +2,9 @@
 
 Order of checks on a request, each answered with an ErrorReply frame before anything later happens::
 
-    token (Authorization: Bearer)  -> 401   nothing of the body is read, the handler does not run
+    token (Authorization: Bearer)  -> 401   on every path and HTTP method, before any route is looked up:
+                                            nothing of the body is read, the handler does not run, and
+                                            nothing tells which paths or methods exist
     method known                   -> 404   the reply lists the known methods
     Content-Length present, small  -> 411 / 413
     body decodes (wire.decode)     -> 400   the DecodeError message
@@ -147,7 +149,7 @@ class RpcServer:
             self._done.set()
 
     async def _serve(self, on_ready: Callable[[str], None]) -> None:
-        app = web.Application(client_max_size=self.max_body_bytes)
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._authenticate])
         app.router.add_post(ROUTE, self._handle, expect_handler=self._expect)
         runner = web.AppRunner(
             app, access_log=None, shutdown_timeout=self.shutdown_timeout_s, read_bufsize=READ_BUFSIZE
@@ -175,13 +177,28 @@ class RpcServer:
 
     # --- requests ---------------------------------------------------------------------------------------
 
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        """The token before anything else: a request without it learns nothing of the routes (a 404 or 405
+        would say which paths and methods exist)."""
+        if not self._authorized(request):
+            return self._unauthorized(request)
+        return await handler(request)
+
+    def _authorized(self, request: web.Request) -> bool:
+        return auth.check(bearer(request.headers.get(hdrs.AUTHORIZATION)), self.token)
+
+    def _unauthorized(self, request: web.Request) -> web.Response:
+        """The same reply for every path and method, so that it tells nothing of what the server has."""
+        log.warning("refused %s %s from %s: missing or wrong token", request.method, request.path, request.remote)
+        message = "missing or wrong token; send the run's <run_dir>/secret as 'Authorization: Bearer <token>'"
+        return self._refusal(401, "", "AuthError", message)
+
     def _precheck(self, request: web.Request) -> web.Response | None:
         """Refuse on the headers alone: token, method, body size. None when the body may be read."""
         method = request.match_info["method"]
-        if not auth.check(bearer(request.headers.get(hdrs.AUTHORIZATION)), self.token):
-            log.warning("refused %s from %s: missing or wrong token", method, request.remote)
-            message = "missing or wrong token; send the run's <run_dir>/secret as 'Authorization: Bearer <token>'"
-            return self._refusal(401, method, "AuthError", message)
+        if not self._authorized(request):
+            return self._unauthorized(request)
         if method not in self.handlers and method != SHUTDOWN:
             known = sorted([*self.handlers, SHUTDOWN])
             return self._refusal(404, method, "UnknownMethod", f"no RPC method {method!r}; this server has {known}")

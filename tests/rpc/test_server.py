@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
 import os
 import socket
 import threading
@@ -95,6 +96,28 @@ def test_wrong_token_with_a_large_body_is_refused_before_the_body_is_sent(serve)
 def test_token_is_checked_before_the_method_and_the_size(serve):
     _, address = serve({"echo": Counting()}, max_body_bytes=10)
     assert error_reply(raw_post(address, "nope", b"x" * 100, bearer("bad")), 401).error_type == "AuthError"
+
+
+@pytest.mark.parametrize(
+    ("verb", "path"),
+    [("POST", "/rpc/echo"), ("POST", "/rpc/nope"), ("POST", "/rpc/a/b"), ("POST", "/rpc/"), ("GET", "/rpc/echo"),
+     ("PUT", "/rpc/shutdown"), ("POST", "/"), ("DELETE", "/x"), ("GET", "/rpc/%2e%2e/etc")],
+)  # fmt: skip
+def test_without_the_token_every_path_and_method_gets_the_same_401(serve, verb, path):
+    """Authentication before routing: a 404 or 405 would tell a stranger which paths and methods exist."""
+    handler = Counting()
+    _, address = serve({"echo": handler})
+    host, port = parse_hostport(address)
+    conn = http.client.HTTPConnection(host, port, timeout=10)
+    conn.request(verb, path, body=b"x", headers={"Content-Length": "1", **bearer("wrong")})
+    response = conn.getresponse()
+    body = response.read()
+    conn.close()
+    assert response.status == 401, body
+    reply = decode(body, ErrorReply)
+    assert (reply.method, reply.error_type) == ("", "AuthError") and "token" in reply.message
+    assert body == encode(ErrorReply(0, "", "AuthError", reply.message, "")), "one reply for every path and method"
+    assert handler.calls == []
 
 
 def test_garbage_body_is_a_400_with_the_decode_error(serve):
