@@ -242,7 +242,8 @@ class HttpPool:
             raise InferenceError(
                 f"{method} {endpoint} on {server} got no answer within the {deadline:g} s timeout (not retried); "
                 "the server is hung or overloaded, or the work takes longer than the timeout allows: check the "
-                "server's log, or raise the timeout (request_timeout_s)",
+                "server's log, or raise the timeout (rollout.request_timeout_s; inference.weight_update_timeout_s for "
+                "weight updates)",
                 server=server,
                 endpoint=endpoint,
             ) from error

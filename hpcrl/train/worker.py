@@ -58,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
             reference = Engine(cfg.model.path, cfg.train, cfg.model.dtype, info, total_steps=cfg.run.max_steps)
             reference.setup()
         advertised, bind = worker_addresses(cfg.cluster.net)
-        ports = worker_ports(port_range(cfg.cluster.net))  # this rank's own slice: its RPC port, and on rank 0
-        port = ports.allocate(1)[0]  # the weight-update group's rendezvous
+        # this rank's own port slice: its RPC port, and on rank 0 the weight-update group's rendezvous
+        ports = worker_ports(port_range(cfg.cluster.net))
+        port = ports.allocate(1)[0]
         on_gpu = info.device.type == "cuda"
         service = TrainerService(engine, cfg, rank, reference, weight_host=advertised, ports=ports)
         server = RpcServer(

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hpcrl.inference.weight_group import host_store, open_weight_group, send_tensors
+from hpcrl.inference.weight_group import close_weight_group, host_store, open_weight_group, send_tensors
 from hpcrl.models.tokenizer import load_tokenizer
 
 LONG = 6000  # new tokens no server here can produce in the second before a test interrupts them
@@ -147,6 +147,7 @@ def test_update_weights_over_a_gloo_group(fresh_server, tiny_model_b):
         assert answer["output_ids"] == _greedy_ids(model_b, tok, prompt, 12)
         assert answer["meta_info"]["weight_version"] == "3"
     assert server.post("/destroy_weights_update_group", {"group_name": "weight_update_group"})[0] == 200
+    close_weight_group(joined["group"])  # this process's torch knows the group by name until it is destroyed
 
 
 def test_pause_abort_ends_in_flight_requests_and_continue_resumes(long_server):

@@ -58,16 +58,28 @@ class Trainer:
         self.port = free_port()
         self.store = host_store("127.0.0.1", self.port, timeout_s=TIMEOUT_S)
         self.group = None
+        self.error: BaseException | None = None
         self._joining: threading.Thread | None = None
 
     def join(self, world_size: int, name: str = "weight_update_group") -> None:
         def run() -> None:
-            self.group = open_weight_group(
-                "127.0.0.1", self.port, 0, world_size, name, timeout_s=TIMEOUT_S, store=self.store
-            )
+            try:
+                self.group = open_weight_group(
+                    "127.0.0.1", self.port, 0, world_size, name, timeout_s=TIMEOUT_S, store=self.store
+                )
+            except BaseException as e:
+                self.error = e
 
         self._joining = threading.Thread(target=run)
         self._joining.start()
+
+    async def alive(self) -> None:
+        """Returns once rank 0 has joined; raises at once if it could not (the servers would wait for it)."""
+        assert self._joining is not None
+        while self._joining.is_alive():
+            await asyncio.sleep(0.05)
+        if self.group is None:
+            raise RuntimeError(f"trainer rank 0 could not join the group: {self.error!r}")
 
     def joined(self):
         assert self._joining is not None
@@ -93,7 +105,8 @@ def group(servers):
         async with client_of(servers) as client:
             world = client.weights_group_world_size()
             trainer.join(world)
-            assert await client.init_weights_update_group("127.0.0.1", trainer.port, backend="gloo") == world
+            joining = client.init_weights_update_group("127.0.0.1", trainer.port, backend="gloo")
+            assert (await asyncio.gather(joining, trainer.alive()))[0] == world
             return world
 
     world = run(form())
