@@ -9,6 +9,7 @@ it answers in a second even where importing SGLang's server takes a minute.
 from __future__ import annotations
 
 import importlib.metadata
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,8 @@ from hpcrl.inference.sglang_api import HTTP_SERVER, SGLANG_REQUIREMENT, missing,
 
 def sglang_status(search_path: list[str] | None = None) -> dict[str, Any]:
     """{"ok": bool, "detail": text} for the SGLang installed on ``search_path`` (None: this Python's)."""
-    found = list(importlib.metadata.distributions(name="sglang", path=search_path))
+    path = sys.path if search_path is None else search_path
+    found = list(importlib.metadata.distributions(name="sglang", path=path))
     if not found:
         return {"ok": False, "detail": "sglang is not installed (no package metadata)"}
     dist = found[0]

@@ -70,6 +70,8 @@ def _route(decorator: ast.expr) -> tuple[str, set[str]] | None:
     if kind == "api_route":
         for keyword in decorator.keywords:
             if keyword.arg == "methods" and isinstance(keyword.value, ast.List | ast.Tuple):
-                return path, {e.value for e in keyword.value.elts if isinstance(e, ast.Constant)}
+                return path, {
+                    e.value for e in keyword.value.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)
+                }
         return path, {"GET"}  # FastAPI's default
     return None

@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import TCPStore
 from torch.distributed.tensor import DTensor
 
 from hpcrl.inference.weight_group import (
@@ -92,7 +93,7 @@ class GroupHost:
     host: str  # rank 0's own address, as the servers dial it
     port: int  # the port its store listens on (every interface of this node)
     backend: str  # nccl | gloo: what rank 0 sends over; the servers join with the same
-    store: object  # the TCPStore
+    store: TCPStore  # listening on ``port``; the group's members rendezvous there
 
 
 @dataclass(frozen=True)
