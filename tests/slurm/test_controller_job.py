@@ -29,6 +29,7 @@ from hpcrl.config.hydra import register_schema
 from tests.config.compose import load
 from tests.conftest import CONF_DIR
 from tests.slurm.conftest import wait_for_job
+from tests.slurm.test_job_on_slurm import check_addresses, check_group_on_trainer_node
 
 # a few steps of the tiny job: enough for a summary with evaluations before and after
 TINY_JOB = ("run.max_steps=3", "eval.stop_at_accuracy=0", "rollout.prompts_per_step=16")
@@ -226,7 +227,8 @@ def test_tiny_job_runs_inside_the_slurm_controller_job(slurm_cluster, job_prefix
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_tiny_job_through_the_submitit_launcher_with_its_workers_on_slurm(slurm_cluster, job_prefix, tmp_path):
+@pytest.mark.parametrize("sync", ["disk", "distributed"])
+def test_tiny_job_through_the_submitit_launcher_with_its_workers_on_slurm(slurm_cluster, job_prefix, tmp_path, sync):
     exp = experiment(job_prefix)
     started = time.monotonic()
     result = submit(
@@ -236,6 +238,7 @@ def test_tiny_job_through_the_submitit_launcher_with_its_workers_on_slurm(slurm_
         f"cluster.partition={slurm_cluster.partition}",
         f"run.experiment={exp}",
         "run.trial=tiny",
+        f"train.weight_sync={sync}",
         *TINY_JOB,
         timeout_s=TINY_JOB_TIMEOUT_S,
     )
@@ -255,6 +258,9 @@ def test_tiny_job_through_the_submitit_launcher_with_its_workers_on_slurm(slurm_
     workers = {name: job_id for job_id, name, _ in rows if name.startswith(f"hpcrl-{exp}-")}
     assert set(workers) == {f"hpcrl-{exp}-server", f"hpcrl-{exp}-trainer"}, rows
     assert workers[f"hpcrl-{exp}-server"].endswith("+0") and workers[f"hpcrl-{exp}-trainer"].endswith("+1")
+    check_addresses(run_dir, "auto")  # the controller ran on a node too: every party is a host of its own
+    if sync == "distributed":
+        check_group_on_trainer_node(run_dir)
 
 
 @pytest.mark.slow

@@ -34,6 +34,7 @@ from hpcrl.launch.slurm.scripts import controller_resources
 from hpcrl.sbatch import render
 from tests.conftest import CONF_DIR, REPO
 from tests.slurm.conftest import sacct, wait_for_job
+from tests.slurm.test_job_on_slurm import check_addresses, check_group_on_trainer_node
 
 COMMITTED = {"controller": REPO / "slurm" / "controller.sbatch", "hetjob": REPO / "slurm" / "hetjob.sbatch"}
 TINY_JOB = ["run.max_steps=3", "eval.stop_at_accuracy=0", "rollout.prompts_per_step=16"]
@@ -223,11 +224,14 @@ def summary_of(output: Path) -> dict:
 
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_the_whole_run_as_one_heterogeneous_job_submitted_by_hand(slurm_cluster, job_prefix, tmp_path):
+@pytest.mark.parametrize("sync", ["disk", "distributed"])
+def test_the_whole_run_as_one_heterogeneous_job_submitted_by_hand(slurm_cluster, job_prefix, tmp_path, sync):
     if len(slurm_cluster.nodes) < 3:
         pytest.fail(f"the whole-run hetjob needs 3 nodes (components never share one); {slurm_cluster.nodes}")
     experiment = job_prefix.removeprefix("hpcrl-").rstrip("-")
-    job_id = submit_by_hand("hetjob", tmp_path, experiment, f"run.root={tmp_path}", *TINY_JOB)
+    job_id = submit_by_hand(
+        "hetjob", tmp_path, experiment, f"run.root={tmp_path}", f"train.weight_sync={sync}", *TINY_JOB
+    )
     rows = wait_for_job(job_id, timeout_s=400, components=3)
     output = tmp_path / f"hpcrl-{job_id}.out"
     assert rows[f"{job_id}+0"]["State"] == "COMPLETED", (rows, output.read_text()[-3000:])
@@ -238,6 +242,10 @@ def test_the_whole_run_as_one_heterogeneous_job_submitted_by_hand(slurm_cluster,
     }, names
     steps = {key for key in rows if "." in key}  # the roles ran as srun steps of their own components
     assert any(key.startswith(f"{job_id}+1.") for key in steps) and any(key.startswith(f"{job_id}+2.") for key in steps)
+    run_dir = tmp_path / experiment / f"slurm-{job_id}"
+    check_addresses(run_dir, "auto")
+    if sync == "distributed":
+        check_group_on_trainer_node(run_dir)
 
 
 @pytest.mark.slurm
