@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hpcrl.inference.weight_group import DEFAULT_GROUP
+from hpcrl.inference.weight_layout import DEFAULT_GROUP
 from hpcrl.rpc.client import RpcClient
 from hpcrl.rpc.messages import (
     ComputeLogprobs,

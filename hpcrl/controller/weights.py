@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.inference.client import InferenceClient
-from hpcrl.inference.weight_group import Spec, buckets, spec_bytes
+from hpcrl.inference.weight_layout import Spec, buckets, spec_bytes
 
 log = logging.getLogger(__name__)
 

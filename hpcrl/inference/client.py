@@ -34,7 +34,7 @@ from typing import Any
 from hpcrl.inference.client_http import HttpPool, InferenceError, fixed
 from hpcrl.inference.client_wire import ContextLengthError, GenerateResult, check_sampling, check_success, parse_result
 from hpcrl.inference.context import fit
-from hpcrl.inference.weight_group import DEFAULT_GROUP, group_layout
+from hpcrl.inference.weight_layout import DEFAULT_GROUP, group_layout
 
 __all__ = ["OVERFLOW", "POLICIES", "ContextLengthError", "GenerateResult", "InferenceClient", "InferenceError"]
 

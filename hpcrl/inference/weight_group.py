@@ -6,10 +6,8 @@ belongs to the trainers' world, and each server rank is its own process. It form
 prefixed by the group name, rank 0 = the trainer), so the same trainer code pushes to SGLang on GPUs
 (nccl) and to hpcrl's CPU server (gloo).
 
-Ranks: the trainer is 0; every tensor-parallel rank of every server joins, server ``i``'s rank ``t`` as
-``rank_offset_i + t``, with ``rank_offset_i = 1 + sum(tp_size of servers before i)`` and
-``world_size = 1 + sum(tp_size)``. The rendezvous is on trainer rank 0's node: it listens first
-(``host_store``, a port of its own port slice), then reports where.
+Ranks and buckets are ``weight_layout.py``'s (no torch there). The rendezvous is on trainer rank 0's node:
+it listens first (``host_store``, a port of its own port slice), then reports where.
 
 Tensors go out one ``broadcast`` at a time from rank 0, in the order of the names sent in
 ``/update_weights_from_distributed``; a receiver allocates a buffer for every tensor of one call before
@@ -27,24 +25,12 @@ import torch.distributed as dist
 from torch.distributed import TCPStore
 from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
 
+from hpcrl.inference.weight_layout import DEFAULT_GROUP
 from hpcrl.net import format_hostport
 
 log = logging.getLogger(__name__)
 
-DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
 DEFAULT_TIMEOUT_S = 1800.0  # torch's default process-group timeout, which SGLang's servers join with
-Spec = tuple[str, str, list[int]]  # (name, dtype name such as "bfloat16", shape)
-
-
-def group_layout(tp_sizes: Sequence[int]) -> tuple[int, list[int]]:
-    """(world size, rank offset of each server) for servers of these tensor-parallel sizes, trainer at 0."""
-    if not tp_sizes or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in tp_sizes):
-        raise ValueError(f"tp_sizes must be a non-empty list of integers >= 1, got {list(tp_sizes)}")
-    offsets, next_rank = [], 1
-    for tp in tp_sizes:
-        offsets.append(next_rank)
-        next_rank += tp
-    return next_rank, offsets
 
 
 def host_store(host: str, port: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> TCPStore:
@@ -119,31 +105,3 @@ def dtype_of(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}; expected a torch dtype name such as bfloat16")
     return dtype
-
-
-def spec_bytes(specs: Sequence[Spec]) -> int:
-    """Bytes of the tensors ``specs`` describe: what a receiver allocates for one call."""
-    total = 0
-    for _, dtype, shape in specs:
-        count = 1
-        for size in shape:
-            count *= size
-        total += count * dtype_of(dtype).itemsize
-    return total
-
-
-def buckets(specs: Sequence[Spec], max_bytes: int) -> list[list[Spec]]:
-    """``specs`` in order, cut into runs of at most ``max_bytes`` each (a tensor larger than that alone):
-    one ``/update_weights_from_distributed`` call per run."""
-    if max_bytes < 1:
-        raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
-    out: list[list[Spec]] = []
-    size = 0
-    for spec in specs:
-        nbytes = spec_bytes([spec])
-        if not out or size + nbytes > max_bytes:
-            out.append([])
-            size = 0
-        out[-1].append(spec)
-        size += nbytes
-    return out

@@ -15,14 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hpcrl.inference.client import InferenceClient, InferenceError
-from hpcrl.inference.weight_group import (
-    buckets,
-    close_weight_group,
-    host_store,
-    open_weight_group,
-    send_tensors,
-    spec_bytes,
-)
+from hpcrl.inference.weight_group import close_weight_group, host_store, open_weight_group, send_tensors
+from hpcrl.inference.weight_layout import buckets, spec_bytes
 from tests.inference.conftest import ServerProc, free_port
 
 TP = 2

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from hpcrl.config.schema import TrainConfig
 from hpcrl.inference.client import InferenceClient
-from hpcrl.inference.weight_group import buckets
+from hpcrl.inference.weight_layout import buckets
 from hpcrl.logs import setup_logging
 from hpcrl.train.batch import MicroBatch, Normalizer, Sequence
 from hpcrl.train.dist import DistInfo, init_distributed
