@@ -7,7 +7,8 @@
     sglang.py        the SGLang launch command and environment; commands.py: the command of either backend
     sglang_api.py    the SGLang release hpcrl is tested with and the endpoints it calls
     serve.py         start a server process and wait until it answers; worker.py: the server worker process
-    weight_group.py  the weight-update process group (the only part ``train/`` uses)
+    weight_group.py  the weight-update process group (the only part ``train/`` uses); weight_layout.py: its
+                     rank arithmetic and a push's buckets, without torch
 
 ``inference/`` imports nothing of ``rollout/`` or ``controller/`` (tests/test_layout.py).
 """
