@@ -28,11 +28,13 @@ from hpcrl.config.hydra import exit_on_config_error, register_schema, to_config_
 from hpcrl.config.load import dump_config
 from hpcrl.config.overrides import check_override_keys, expand_allocation_shorthand
 from hpcrl.controller.preempt import restarted_by_slurm
+from hpcrl.launch.process import end_within
 from hpcrl.logs import setup_logging
 from hpcrl.rundir import RunDir
 
 log = logging.getLogger("hpcrl.main")
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+STOP_DEADLINE_S = 20.0  # after SIGTERM or SIGINT, the orderly shutdown's time; then everything is killed
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -94,6 +96,7 @@ def sweep_job_number() -> int | None:
 
 
 def main() -> None:
+    end_within(STOP_DEADLINE_S)  # a signalled run ends within this, whatever it is doing (launch/process.py)
     register_schema()
     sys.argv = expand_allocation_shorthand(sys.argv)
     try:

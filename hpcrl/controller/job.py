@@ -16,7 +16,8 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+import secrets
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -34,8 +35,10 @@ from hpcrl.controller.weights import WeightSync
 from hpcrl.inference.client import InferenceClient
 from hpcrl.inference.options import client_options
 from hpcrl.launch.addresses import port_range
-from hpcrl.launch.base import Scheduler
+from hpcrl.launch.base import Scheduler, WorkerGroup
+from hpcrl.launch.lease import LeaseKeeper, with_lease
 from hpcrl.launch.local import LocalScheduler
+from hpcrl.launch.registry import Entry, Registry
 from hpcrl.launch.slots import PortSlots
 from hpcrl.reward.pool import RewardPool
 from hpcrl.rpc.auth import create_token, read_token
@@ -56,20 +59,34 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
     alloc = cfg.allocation
     counts = {"server": alloc.server.workers, "trainer": alloc.trainer.workers, "rollout": cfg.rollout.workers}
     slots = PortSlots({role: n for role, n in counts.items() if n}, rendezvous=("trainer",))
+    controller = secrets.token_hex(8)  # this controller's id: workers hold their lease on it, and it alone
+    lease_s = cfg.cluster.worker_lease_s
+    specs = [with_lease(spec, controller, lease_s) for spec in role_specs(cfg)]
+    registry = Registry(run_dir.registry)
+    groups: dict[str, Callable[[], WorkerGroup]] = {}  # role -> its group now (a server restart may replace it)
+
+    def mark_lost(entry: Entry, why: str) -> None:  # the lease keeper's verdict, for the watchdog to act on
+        if entry.role in groups:
+            groups[entry.role]().mark_lost(entry.rank, why)
+
     with (
         make_scheduler(cfg, run_dir, slots) as scheduler,
         RewardPool(cfg.reward.fn, cfg.reward.workers, cfg.reward.timeout_s) as rewards,
+        # renews every worker's lease from the moment it registers, and notices one it can no longer reach
+        LeaseKeeper(registry, [spec.role for spec in specs], controller, token, lease_s, mark_lost),
     ):
-        servers, trainers, *rollouts = scheduler.start_all(role_specs(cfg))
+        servers, trainers, *rollouts = scheduler.start_all(specs)
+        groups.update(server=lambda: servers, trainer=lambda: trainers)  # rollout workers: RemoteEpisodes copes
         server_entries = servers.wait_ready()
         trainer_entries = trainers.wait_ready()
         rollout_entries = rollouts[0].wait_ready() if rollouts else []
 
         pool = ServerPool(cfg, servers, server_entries, scheduler)
+        groups["server"] = lambda: pool.group
 
         def check_alive() -> None:
             pool.check()  # drops or restarts a dead server (inference.on_server_exit), or raises naming it
-            trainers.check_alive()
+            trainers.check_alive()  # a rank the lease keeper could not reach for a whole lease counts as ended
 
         workers = Workers(None, None, rewards, check_alive, servers=pool)  # client and trainers are opened below
         addresses = [[e.address for e in entries] for entries in (server_entries, trainer_entries, rollout_entries)]

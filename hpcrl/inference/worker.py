@@ -13,6 +13,10 @@ What a scheduler runs for each server. The worker:
 5. waits until the server exits (then exits with the server's exit code) or this worker gets SIGTERM or
    SIGINT (then it ends the server's process tree by PID and exits with 128 + the signal).
 
+It holds a lease on its controller (``hpcrl/launch/lease.py``): a small endpoint of its own, on another
+port of its slot (registered as ``extra["lease"]``), takes the controller's heartbeat; with none for
+``cluster.worker_lease_s`` the worker SIGTERMs itself, and so ends its server as in step 5.
+
 A server that dies while starting makes the worker exit non-zero with the server's exit code and log tail in
 the worker's own log, which the scheduler's ``WorkerFailed`` carries to the controller. Signals are only
 recorded while the worker works (spawning, registering) and acted on between steps, so no step is cut short
@@ -36,10 +40,12 @@ from hpcrl.config.schema import Config
 from hpcrl.inference.client import InferenceClient, InferenceError
 from hpcrl.inference.serve import ServerProcess, start_server, stop_servers
 from hpcrl.launch.addresses import port_range, worker_addresses
+from hpcrl.launch.lease import Lease
 from hpcrl.launch.process import Child, ChildExited
 from hpcrl.launch.registry import Entry, Registry
 from hpcrl.launch.slots import parse_worker_args, worker_ports
 from hpcrl.logs import setup_logging
+from hpcrl.rpc.auth import read_token
 from hpcrl.rundir import RunDir
 
 log = logging.getLogger("hpcrl.inference.worker")
@@ -92,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve(cfg: Config, run_dir: RunDir, rank: int, signals: _Signals) -> int:
     """Start, wait for, register and watch one server; returns the worker's exit code."""
+    lease = Lease.from_env()  # from the start: loading the model counts against the lease's grace
     advertised, bind = worker_addresses(cfg.cluster.net)
-    port = worker_ports(port_range(cfg.cluster.net)).allocate(1)[0]
+    port, lease_port = worker_ports(port_range(cfg.cluster.net)).allocate(2)
     alloc = cfg.allocation.server
     resources = cfg.cluster.roles[ROLE]
     log.info("server %d: %s backend, advertising %s port %d, binding %s", rank, alloc.backend, advertised, port, bind)
@@ -120,7 +127,10 @@ def serve(cfg: Config, run_dir: RunDir, rank: int, signals: _Signals) -> int:
         except InferenceError as e:
             log.error("the server did not become healthy (its log: %s): %s", server.child.log_file, e)
             return 1
-        entry = Entry(ROLE, rank, advertised, port, extra={"backend": alloc.backend, "server_pid": server.child.pid})
+        extra = {"backend": alloc.backend, "server_pid": server.child.pid}
+        if lease is not None:
+            extra["lease"] = lease.serve(read_token(run_dir.path), bind, lease_port, advertised)
+        entry = Entry(ROLE, rank, advertised, port, extra=extra)
         registered = Registry(run_dir.registry).register(entry)
         log.info("ready: serving at %s (registered in %s)", entry.address, registered)
         try:

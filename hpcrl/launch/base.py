@@ -107,10 +107,21 @@ class WorkerGroup(ABC):
     def __init__(self, spec: RoleSpec, registry: Registry):
         self.spec = spec
         self.registry = registry
+        self.lost: dict[int, str] = {}  # rank -> why: alive for all we know, but the controller cannot reach it
 
     @property
     def role(self) -> str:
         return self.spec.role
+
+    def mark_lost(self, rank: int, why: str) -> None:
+        """The controller can no longer reach worker ``rank`` (its lease keeper says so: ``lease.py``), so the
+        worker counts as ended: ``check_alive`` raises for it, as for one that died, until it is let go."""
+        self.lost.setdefault(rank, why)
+
+    def _check_reachable(self, ignore: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        for rank, why in list(self.lost.items()):  # the lease keeper's thread may add one meanwhile
+            if rank not in ignore:
+                raise WorkerFailed(self.role, rank, why, "")
 
     @abstractmethod
     def check_alive(self) -> None:

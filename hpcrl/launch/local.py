@@ -203,15 +203,20 @@ class LocalWorkerGroup(WorkerGroup):
     def check_alive(self) -> None:
         if self.spec.torchrun:
             self._check_torchrun(self.children[0])
-            return
-        for rank, child in enumerate(self.children):
-            code = child.poll()
-            if code is not None and rank not in self.dropped:
-                raise WorkerFailed(self.role, rank, code, child.log_tail(LOG_LINES), child.log_file)
+        else:
+            for rank, child in enumerate(self.children):
+                code = child.poll()
+                if code is not None and rank not in self.dropped:
+                    raise WorkerFailed(self.role, rank, code, child.log_tail(LOG_LINES), child.log_file)
+        self._check_reachable(ignore=self.dropped)
 
     def drop(self, rank: int) -> None:
-        """Stop checking worker ``rank``: it has died and the run goes on without it."""
+        """Stop checking worker ``rank``: it has died (or cannot be reached) and the run goes on without it.
+        What is left of it is ended, and its registry entry forgotten."""
         self.dropped.add(rank)
+        if rank in self.lost:
+            self.children[rank].stop(self.grace_s)
+        self.registry.unregister(self.role, rank)
 
     def restart(self, rank: int) -> None:
         """Start worker ``rank`` again after it died: what is left of its tree is ended, its registry entry
@@ -220,12 +225,13 @@ class LocalWorkerGroup(WorkerGroup):
         if self.spec.torchrun or self.spawn_worker is None:
             raise ValueError(f"{self.role}: only a plain role's workers can be restarted, not torchrun ranks")
         old = self.children[rank]
-        if old.alive():
+        if old.alive() and rank not in self.lost:
             raise ValueError(f"{self.role} worker {rank} (pid {old.pid}) is still running; only a dead one restarts")
         old.stop(self.grace_s)  # e.g. an SGLang server's scheduler processes outlive their dead leader
         self.registry.unregister(self.role, rank)
         self.children[rank] = self.spawn_worker(rank)
         self.dropped.discard(rank)
+        self.lost.pop(rank, None)
         log.warning("%s worker %d restarted as pid %d", self.role, rank, self.children[rank].pid)
 
     def stop(self) -> None:

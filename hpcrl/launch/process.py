@@ -18,9 +18,15 @@ unwinds through ``__exit__`` like any other error; the previous handlers come ba
 that arrives while a child is being registered or while children are being stopped is held back
 until that step is done, so it can neither leak a child nor cut a cleanup short.
 
-Not covered: a parent killed with SIGKILL (or by the OOM killer) runs no cleanup; on Slurm the job's
-cgroup ends what is left. A descendant that calls ``setsid`` and whose parent has died is out of
-reach of both the tree and the session scan.
+Bounded: an entry point that calls ``end_within(seconds)`` (``hpcrl.main`` does) ends for certain once
+signalled. The first SIGTERM or SIGINT starts a deadline; if the orderly unwinding above has not ended the
+process by then (a thread blocked on a slow reward, a hung worker, a loop that will not yield), or at a
+second SIGTERM or SIGINT, every descendant of this process is SIGKILLed, every cleanup registered with
+``add_last_resort`` runs (Slurm jobs are cancelled by id) and the process exits with 128 + the signal.
+
+Not covered: a parent killed with SIGKILL (or by the OOM killer) runs no cleanup; its workers end when
+their lease on it runs out (``lease.py``), and on Slurm the job's cgroup ends what is left. A descendant
+that calls ``setsid`` and whose parent has died is out of reach of both the tree and the session scan.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -45,6 +51,27 @@ log = logging.getLogger(__name__)
 _POLL_S = 0.05  # how often a stop checks whether the processes it signalled are gone
 _KILL_WAIT_S = 5.0  # how long a stop waits for SIGKILLed processes before giving up on them
 _HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_deadline_s: float | None = None  # end_within(): after a first signal, the process ends within this for certain
+_last_resort: list[Callable[[], None]] = []  # cleanups besides SIGKILLing descendants (Slurm: scancel by id)
+_signals_seen = 0
+
+
+def end_within(seconds: float) -> None:
+    """Once SIGTERM or SIGINT has come, end this process within ``seconds`` whatever it is doing (an entry
+    point's promise; a library never makes it), and at once on a second one."""
+    global _deadline_s
+    _deadline_s = seconds
+
+
+def add_last_resort(cleanup: Callable[[], None]) -> Callable[[], None]:
+    """Run ``cleanup`` if the process has to end at once (see ``end_within``); returns it, for ``remove``."""
+    _last_resort.append(cleanup)
+    return cleanup
+
+
+def remove_last_resort(cleanup: Callable[[], None]) -> None:
+    with contextlib.suppress(ValueError):
+        _last_resort.remove(cleanup)
 
 
 class ChildExited(RuntimeError):
@@ -246,7 +273,13 @@ _pending: int | None = None  # the first signal that arrived while held
 
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:
-    global _pending
+    global _pending, _signals_seen
+    _signals_seen += 1
+    if _deadline_s is not None:
+        if _signals_seen == 1:
+            threading.Thread(target=_end_after, args=(signum, _deadline_s), name="end-deadline", daemon=True).start()
+        else:
+            _end_now(signum, "a second signal")
     if _held:
         _pending = _pending or signum
         return
@@ -257,6 +290,27 @@ def _raise_for(signum: int) -> None:
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
     raise SystemExit(128 + signum)
+
+
+def _end_after(signum: int, seconds: float) -> None:
+    time.sleep(seconds)
+    _end_now(signum, f"still running {seconds:g} s after {signal.Signals(signum).name}")
+
+
+def _end_now(signum: int, why: str) -> None:
+    """The last resort: SIGKILL every descendant, run the registered cleanups, exit. No logging: this may run in
+    a signal handler that interrupted a logging call (its lock would deadlock)."""
+    os.write(2, f"hpcrl: {why}: killing every process of the run and exiting now\n".encode())
+    with contextlib.suppress(psutil.Error):
+        for proc in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+    for cleanup in list(_last_resort):
+        try:
+            cleanup()
+        except BaseException as e:  # the others must still run
+            os.write(2, f"hpcrl: a last-resort cleanup failed: {e!r}\n".encode())
+    os._exit(128 + signum)
 
 
 @contextlib.contextmanager

@@ -33,6 +33,9 @@ lost one: later requests go to these servers only, and with none they wait for o
 address that is not ``host:port``, or one twice, is refused as a whole (an RPC error naming it) and the pool
 stays as it was; ``ping(Ping) -> Pong``; ``shutdown``. Messages: ``remote.py``.
 
+It holds a lease on its controller (an endpoint of its own on another port, ``hpcrl/launch/lease.py``): with
+no heartbeat for ``cluster.worker_lease_s`` it SIGTERMs itself.
+
 Exit: the ``shutdown`` RPC (exit 0) or SIGTERM / SIGINT (exit 128 + the signal): unregister, stop serving
 (requests in flight get the server's shutdown grace), cancel the episodes still running, close the
 client and end the reward processes by PID.
@@ -54,6 +57,7 @@ from hpcrl.config.errors import ConfigError
 from hpcrl.config.load import load_run_config
 from hpcrl.config.schema import Config
 from hpcrl.launch.addresses import port_range, worker_addresses
+from hpcrl.launch.lease import Lease
 from hpcrl.launch.registry import Entry, Registry
 from hpcrl.launch.slots import parse_worker_args, worker_ports
 from hpcrl.logs import setup_logging
@@ -88,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     run_dir = RunDir(Path(args.run_dir).absolute())
     setup_logging(ROLE, args.rank)  # stderr: the scheduler sends it to logs/rollout-<rank>.log
+    lease = Lease.from_env()  # from the start: waiting for the servers counts against the lease's grace
     try:
         cfg = load_run_config(run_dir.config_file)
     except ConfigError as e:
@@ -109,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tokenizer = load_tokenizer(cfg.model.path)
     with RewardPool(cfg.reward.fn, cfg.reward.workers, cfg.reward.timeout_s) as rewards:
-        return asyncio.run(serve(cfg, run_dir, args.rank, token, servers, tokenizer, rewards))
+        return asyncio.run(serve(cfg, run_dir, args.rank, token, servers, tokenizer, rewards, lease))
 
 
 def setup_timeout(cfg: Config) -> float:
@@ -127,7 +132,14 @@ def wait_for_servers(cfg: Config, run_dir: RunDir) -> list[str]:
 
 
 async def serve(
-    cfg: Config, run_dir: RunDir, rank: int, token: str, servers: list[str], tokenizer: Any, rewards: Any
+    cfg: Config,
+    run_dir: RunDir,
+    rank: int,
+    token: str,
+    servers: list[str],
+    tokenizer: Any,
+    rewards: Any,
+    lease: Lease | None = None,
 ) -> int:
     """Serve episodes until ``shutdown`` or a signal; returns the exit status."""
     from hpcrl.inference.client import InferenceClient
@@ -144,6 +156,7 @@ async def serve(
             await client.wait_healthy(setup_timeout(cfg), check_alive=lambda: _check(signals), poll_s=poll_s)
             workflow = make_workflow(cfg, client, tokenizer, rewards, resumed)
             service = EpisodeService(workflow, client, resumed, asyncio.get_running_loop(), rank)
+            service.lease = lease
             await _serve_registered(cfg, run_dir, rank, token, service, signals)
             log.info("stopped after %d episodes", service.served)
     except _Stopped as e:
@@ -155,10 +168,12 @@ async def _serve_registered(
     cfg: Config, run_dir: RunDir, rank: int, token: str, service: EpisodeService, signals: list[int]
 ) -> None:
     advertised, bind = worker_addresses(cfg.cluster.net)
-    port = worker_ports(port_range(cfg.cluster.net)).allocate(1)[0]
+    port, lease_port = worker_ports(port_range(cfg.cluster.net)).allocate(2)
     server = RpcServer(service.handlers(), token, rank, host=bind, port=port, advertise_host=advertised)
     server.start_in_thread()
-    registered = Registry(run_dir.registry).register(Entry(ROLE, rank, advertised, port))
+    lease = service.lease
+    extra = {"lease": lease.serve(token, bind, lease_port, advertised)} if lease else {}
+    registered = Registry(run_dir.registry).register(Entry(ROLE, rank, advertised, port, extra=extra))
     log.info("ready: rollout RPC at %s (registered in %s)", server.address, registered)
     try:
         while not signals and not _stopped(server):
@@ -186,6 +201,7 @@ class EpisodeService:
         rank: int,
     ):
         self.workflow, self.client, self.resumed, self.loop, self.rank = workflow, client, resumed, loop, rank
+        self.lease: Lease | None = None  # the lease on the controller, when a scheduler gave one
         self.served = 0  # episodes that returned a group
         self._running: set[asyncio.Task] = set()
 

@@ -4,41 +4,41 @@
 - ``messages``: every request and reply dataclass, in the ``MESSAGES`` registry
 - ``auth``: the run's secret token file
 - ``server``: ``RpcServer``, one per worker rank; ``client``: ``RpcClient``, fan-out from the controller
+
+The names below load their module on first use: ``hpcrl.rpc.auth`` alone imports no torch, which the
+processes that only speak HTTP (server workers, the lease endpoint) should not pay for.
 """
 
-from hpcrl.rpc.auth import check, create_token, read_token
-from hpcrl.rpc.client import RpcClient
-from hpcrl.rpc.errors import (
-    AuthError,
-    BadRequestError,
-    PayloadTooLargeError,
-    RemoteError,
-    RpcConnectionError,
-    RpcError,
-    UnknownMethodError,
-)
-from hpcrl.rpc.messages import MESSAGES, register
-from hpcrl.rpc.server import RpcServer
-from hpcrl.rpc.wire import DecodeError, EncodeError, decode, encode, encode_parts
+from __future__ import annotations
 
-__all__ = [
-    "MESSAGES",
-    "AuthError",
-    "BadRequestError",
-    "DecodeError",
-    "EncodeError",
-    "PayloadTooLargeError",
-    "RemoteError",
-    "RpcClient",
-    "RpcConnectionError",
-    "RpcError",
-    "RpcServer",
-    "UnknownMethodError",
-    "check",
-    "create_token",
-    "decode",
-    "encode",
-    "encode_parts",
-    "read_token",
-    "register",
-]
+import importlib
+from typing import Any
+
+_WHERE = {
+    "check": "auth",
+    "create_token": "auth",
+    "read_token": "auth",
+    "RpcClient": "client",
+    "AuthError": "errors",
+    "BadRequestError": "errors",
+    "PayloadTooLargeError": "errors",
+    "RemoteError": "errors",
+    "RpcConnectionError": "errors",
+    "RpcError": "errors",
+    "UnknownMethodError": "errors",
+    "MESSAGES": "messages",
+    "register": "messages",
+    "RpcServer": "server",
+    "DecodeError": "wire",
+    "EncodeError": "wire",
+    "decode": "wire",
+    "encode": "wire",
+    "encode_parts": "wire",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'hpcrl.rpc' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"hpcrl.rpc.{_WHERE[name]}"), name)

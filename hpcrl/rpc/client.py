@@ -80,6 +80,15 @@ class RpcClient:
         """Send the same request to every rank (encoded once); the replies in rank order."""
         return await self._fan_out(method, [encode_parts(request)] * len(self.addresses))
 
+    async def broadcast_each(self, method: str, request: Any) -> list[Any]:
+        """Send the same request to every rank; each rank's reply or its error, in rank order. Unlike ``call``,
+        one rank's failure cuts no other short: for probes whose every answer counts (leases)."""
+        if self._session is None:
+            raise RuntimeError("RpcClient is not open; use it as `async with RpcClient(...) as client:`")
+        parts = encode_parts(request)
+        calls = [self._one(rank, method, parts) for rank in range(len(self.addresses))]
+        return list(await asyncio.gather(*calls, return_exceptions=True))
+
     async def shutdown(self) -> None:
         """Ask every rank to stop its server once its queued handlers are done."""
         await self.broadcast(SHUTDOWN, Ack())

@@ -3,8 +3,10 @@
 It reads the run's config from the run directory, sets up the FSDP2 engine, serves the trainer RPC
 (``service.py``) on a port of its own slot (rank 0 hosts the weight-update group's rendezvous on another
 port of that slot, on this node, when asked), registers ``host:port`` in the run's registry (which tells
-the controller it is ready) and serves until the controller sends ``shutdown``. torch is imported late
-so argument errors come back at once.
+the controller it is ready) and serves until the controller sends ``shutdown``. It holds a lease on the
+controller (an endpoint of its own on another port, ``hpcrl/launch/lease.py``): with no heartbeat for
+``cluster.worker_lease_s`` the rank SIGTERMs itself, and torchrun then ends the other ranks. torch is
+imported late so argument errors come back at once.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     from hpcrl.logs import setup_logging
 
     setup_logging("trainer", rank)
+    from hpcrl.launch.lease import Lease
+
+    lease = Lease.from_env()  # from the start: setting up counts against the lease's grace
     import torch
     import torch.distributed as dist
 
@@ -73,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
             thread_init=(lambda: torch.cuda.set_device(info.device)) if on_gpu else None,
         )
         server.start_in_thread()
-        entry = Registry(run_dir.registry).register(Entry("trainer", rank, advertised, port))
+        token = read_token(run_dir.path)
+        extra = {"lease": lease.serve(token, bind, ports.allocate(1)[0], advertised)} if lease else {}
+        entry = Registry(run_dir.registry).register(Entry("trainer", rank, advertised, port, extra=extra))
         log.info("ready: trainer RPC at %s (registered in %s)", server.address, entry)
         server.serve_until_stopped()
         log.info("shut down by the controller")

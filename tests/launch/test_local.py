@@ -309,6 +309,34 @@ def test_a_dead_plain_worker_restarts_with_its_rank_and_registers_again(run_dir)
     assert_gone(procs)
 
 
+def test_a_worker_the_controller_cannot_reach_counts_as_ended_until_it_is_let_go(run_dir):
+    """The lease keeper's verdict (mark_lost): check_alive names it; drop or restart ends what is left of it."""
+    slots = PortSlots({"plain": 3})
+    with LocalScheduler(run_dir, slots, grace_s=GRACE_S) as scheduler:
+        group = scheduler.start(spec("plain", 3))
+        entries = group.wait_ready()
+        group.mark_lost(1, "on node n2 (10.0.0.2:1) has not answered the controller for 31 s")
+        err = raises_soon(group.check_alive)
+        assert isinstance(err, WorkerFailed) and (err.role, err.worker) == ("plain", 1)
+        assert "plain worker 1 on node n2 (10.0.0.2:1) has not answered the controller for 31 s" in str(err)
+        first, second = processes([entries[1].pid, entries[2].pid])
+        assert alive(first), "lost, not dead: it still runs"
+        group.drop(1)  # the run goes on without it
+        assert_gone([first])
+        assert [e.rank for e in group.registry.entries("plain")] == [0, 2]
+        group.check_alive()
+        group.mark_lost(2, "has not answered")
+        group.restart(2)  # a lost worker may restart although it still ran: it is ended first
+        assert_gone([second])
+        group.check_alive()  # no longer lost
+        deadline = time.monotonic() + 60
+        while not [e for e in group.registry.entries("plain") if e.rank == 2]:
+            assert time.monotonic() < deadline, "the restarted worker did not register"
+            time.sleep(0.1)
+        (again,) = [e for e in group.registry.entries("plain") if e.rank == 2]
+        assert again.pid == group.children[2].pid != entries[2].pid
+
+
 def test_torchrun_ranks_cannot_restart(run_dir):
     with LocalScheduler(run_dir, PortSlots({"ranks": 1}), grace_s=GRACE_S) as scheduler:
         group = scheduler.start(spec("ranks", 1, torchrun=True))

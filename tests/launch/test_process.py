@@ -267,3 +267,58 @@ def test_a_parent_stopped_by_a_signal_leaves_no_child_alive(tmp_path, node, sign
     # SIGTERM becomes SystemExit(143); an uncaught KeyboardInterrupt makes Python die by SIGINT
     assert code == (128 + signal.SIGTERM if signum == signal.SIGTERM else -signal.SIGINT), stderr
     assert all(gone(pid) for pid in pids), stderr
+
+
+# A parent that promises to end within 2 s of a signal (end_within), owns a tree, and then will not stop:
+# it swallows the SystemExit the signal raises and goes on, as a busy or stuck controller would.
+STUBBORN = """
+import json, sys, time
+from pathlib import Path
+from hpcrl.launch import process
+from hpcrl.launch.process import ChildGroup
+
+process.end_within(float(sys.argv[3]))
+out, node = Path(sys.argv[1]), sys.argv[2]
+with ChildGroup(grace_s=0.5) as group:
+    group.spawn("c", [sys.executable, node, "T,T"], out / "c.log")  # ignores SIGTERM, as a hung worker might
+    while not (out / "c.log").exists() or (out / "c.log").read_text().count("ready ") < 2:
+        time.sleep(0.02)
+    lines = (out / "c.log").read_text().splitlines()
+    print(json.dumps([int(line.split()[1]) for line in lines if line.startswith("ready ")]), flush=True)
+    while True:
+        try:
+            time.sleep(60)
+        except BaseException:
+            pass  # the signal's SystemExit, swallowed
+"""
+
+
+@pytest.mark.parametrize("second", [False, True], ids=["deadline", "second_signal"])
+def test_a_signalled_process_ends_within_its_deadline_even_when_it_will_not_stop(tmp_path, node, second):
+    script = tmp_path / "stubborn.py"
+    script.write_text(STUBBORN)
+    deadline_s = 3.0 if not second else 60.0
+    argv = [sys.executable, str(script), str(tmp_path), node("-")[1], str(deadline_s)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    parent = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([parent.stdout], [], [], 20)
+        assert ready, "the parent script printed no PIDs within 20 s"
+        pids = json.loads(parent.stdout.readline())
+        signalled = time.monotonic()
+        parent.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert parent.poll() is None, "the first signal alone does not end it (it swallows it)"
+        if second:
+            signalled = time.monotonic()
+            parent.send_signal(signal.SIGINT)
+        code = parent.wait(timeout=20)
+        took = time.monotonic() - signalled
+    finally:
+        parent.kill()
+        parent.wait()
+    stderr = parent.stderr.read()
+    assert code == (128 + (signal.SIGINT if second else signal.SIGTERM)), stderr
+    assert (took < 5) if second else (deadline_s <= took < deadline_s + 5), took  # "at once": not the deadline
+    assert ("a second signal" if second else "still running 3 s after SIGTERM") in stderr, stderr
+    assert wait_for(lambda: all(gone(pid) for pid in pids), 5, "the tree to be gone"), "every descendant killed"

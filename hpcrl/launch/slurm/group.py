@@ -110,6 +110,12 @@ class SlurmWorkerGroup(WorkerGroup):
         if state.final:
             tail, log_file = self._failure_report(state)
             raise WorkerFailed(self.role, f"job {self.job}", state.state, tail, log_file)
+        self._check_lost(f"job {self.job}")
+
+    def _check_lost(self, what: str) -> None:
+        """A worker the controller cannot reach fails the whole job (or step): one job holds all of the role."""
+        for rank, why in list(self.lost.items()):  # the lease keeper's thread may add one meanwhile
+            raise WorkerFailed(self.role, what, f"RUNNING, but its worker {rank} {why}", "")
 
     def stop(self) -> None:
         """scancel the job by id (a hetjob component: the whole hetjob) and wait until squeue drops it."""

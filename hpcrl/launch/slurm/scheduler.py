@@ -37,7 +37,7 @@ from submitit.core.utils import DelayedSubmission
 
 from hpcrl.config.schema import ClusterConfig
 from hpcrl.launch.base import RoleSpec, Scheduler, WorkerFailed, worker_env
-from hpcrl.launch.process import Child, ChildGroup, _signals_held
+from hpcrl.launch.process import Child, ChildGroup, _signals_held, add_last_resort, remove_last_resort
 from hpcrl.launch.registry import Registry
 from hpcrl.launch.slots import PortSlots
 from hpcrl.launch.slurm.group import SlurmWorkerGroup
@@ -154,24 +154,26 @@ class SlurmScheduler(Scheduler):
         return self._group(spec, JobRef(job_id, k), srun)
 
     def restart(self, group: SlurmWorkerGroup) -> SlurmWorkerGroup:
-        """Start a role whose job (or step) has ended again: a new job of its own (``per_role``), or a new srun
-        step in its het group of the controller's allocation (``steps``). In one heterogeneous job
-        (``hetjob``) the roles share the job's fate, so there is nothing left to restart into."""
+        """Start a role whose job (or step) has ended, or whose worker the controller can no longer reach, again:
+        a new job of its own (``per_role``), or a new srun step in its het group of the controller's allocation
+        (``steps``). In one heterogeneous job (``hetjob``) the roles share the job's fate, so there is nothing
+        left to restart into."""
         try:
             group.check_alive()
         except WorkerFailed:
-            pass  # it has ended, as it should have
+            pass  # it has ended (or is lost), as it should have
         else:
             raise ValueError(f"{group.role}: Slurm job {group.job} is {group.state()}; only an ended one restarts")
+        if self.cluster.submit_mode not in ("steps", "per_role"):
+            raise ValueError(
+                f"{group.role}: cluster.submit_mode=hetjob: its job ended with the whole heterogeneous job; "
+                "restart needs cluster.submit_mode=per_role or steps"
+            )
+        group.stop()  # one the controller could no longer reach may still run: it goes, by id (or PID) as always
         if self.cluster.submit_mode == "steps":
             assert group.job.component is not None, "a step group runs in a het group"
             return self._start_step(group.job.job_id, group.job.component, group.spec)
-        if self.cluster.submit_mode == "per_role":
-            return self.start(group.spec)
-        raise ValueError(
-            f"{group.role}: cluster.submit_mode=hetjob: its job ended with the whole heterogeneous job; "
-            "restart needs cluster.submit_mode=per_role or steps"
-        )
+        return self.start(group.spec)
 
     def hetjob_script(self, specs: Sequence[RoleSpec]) -> str:
         """The batch script ``start_all(specs)`` would submit as one heterogeneous job (for dry runs)."""
@@ -181,7 +183,7 @@ class SlurmScheduler(Scheduler):
 
     def close(self) -> None:
         """scancel every job this scheduler submitted (by id) and wait until squeue drops them."""
-        with _signals_held():  # a second Ctrl-C must not cut the cleanup short; it is raised after it
+        with _signals_held():  # a signal waits until this is done (a second one ends at once: _last_resort)
             for group in self._groups:  # steps of the controller's own job end with self._signals, by PID
                 group._stopped = True
             cancel(self.job_ids)
@@ -191,13 +193,18 @@ class SlurmScheduler(Scheduler):
 
     def __enter__(self) -> SlurmScheduler:
         self._signals.__enter__()  # from here SIGTERM and SIGINT unwind through __exit__
+        add_last_resort(self._last_resort)  # and when the process must end at once, the jobs still go
         return self
 
     def __exit__(self, *exc: object) -> None:
         try:
             self.close()
         finally:
+            remove_last_resort(self._last_resort)
             self._signals.__exit__(*exc)
+
+    def _last_resort(self) -> None:
+        cancel(self.job_ids)
 
     def _check(self, specs: list[RoleSpec]) -> None:
         roles = [spec.role for spec in specs]

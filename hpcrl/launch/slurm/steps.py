@@ -74,6 +74,7 @@ class StepWorkerGroup(SlurmWorkerGroup):
             raise WorkerFailed(
                 self.role, f"step of het group {self.job.component} (job {self.job})", state.state, tail, log_file
             )
+        self._check_lost(f"step of het group {self.job.component} (job {self.job})")
 
     def stop(self) -> None:
         """End the step's srun (by PID): srun passes the signal on to every task of the step."""
