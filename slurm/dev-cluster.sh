@@ -406,6 +406,9 @@ ReturnToService=2
 # finished jobs stay visible to scontrol for 5 minutes; sacct (slurmdbd) keeps them for good
 MinJobAge=300
 KillWait=5
+# a node that stops answering (its link cut by a test) is DOWN after 30 s, not Slurm's default 300 s, so that
+# the jobs on it leave the queue in a time a test can wait for; a node back on the network returns by itself
+SlurmdTimeout=30
 InactiveLimit=0
 Waittime=0
 MailProg=/bin/true
