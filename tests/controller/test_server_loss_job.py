@@ -62,9 +62,9 @@ def weights_loaded_after_restart(run_dir, rank: int) -> list[int]:
 
 @pytest.mark.parametrize("servers", [2, 1], ids=["one-of-two", "the-only-one"])
 def test_with_restart_a_dead_server_comes_back_with_the_current_weights(tmp_path, servers):
-    # a server starts in about 10 s, about 15 steps here: the run must outlast the restart (with one server,
-    # the rollout waits for it)
-    steps = 30 if servers > 1 else 8
+    # a server starts in about 10 s, and up to 20 s on a loaded machine, where a step takes 0.4 s: the run must
+    # outlast the restart (with one server, the rollout waits for it)
+    steps = 80 if servers > 1 else 8
     result, run_dir = kill_a_server_after_two_steps(
         tmp_path,
         f"run.max_steps={steps}",
@@ -93,7 +93,7 @@ def test_past_max_restarts_a_dead_server_fails_the_run(tmp_path):
 
 
 def test_rollout_workers_are_told_when_a_server_leaves_and_rejoins(tmp_path):
-    overrides = ("run.max_steps=30", "inference.on_server_exit=restart", "rollout.workers=1")
+    overrides = ("run.max_steps=80", "inference.on_server_exit=restart", "rollout.workers=1")  # outlasts the restart
     result, run_dir = kill_a_server_after_two_steps(tmp_path, *overrides)
     assert result.returncode == 0, result.stderr[-3000:]
     assert metrics_of(run_dir)[-1]["servers_restarted"] == 1
