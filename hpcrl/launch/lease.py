@@ -139,17 +139,31 @@ class Lease:
     async def _serve(
         self, token: str, host: str, port: int, advertise: str, ready: list[str], started: threading.Event
     ) -> None:
-        async def renew(request: web.Request) -> web.Response:
-            if not check(_bearer(request), token):  # before anything else, whatever the path
+        @web.middleware
+        async def authenticate(request: web.Request, handler: Callable) -> web.StreamResponse:
+            if not check(_bearer(request), token):  # before any route is looked up: every path gets the same 401
                 return web.json_response({"error": "missing or wrong token"}, status=401)
+            return await handler(request)
+
+        async def renew(request: web.Request) -> web.Response:
             try:
                 controller = str((await request.json())["controller"])
             except (ValueError, KeyError, TypeError):
                 return web.json_response({"error": 'expected {"controller": "<id>"}'}, status=400)
             return web.json_response({"ok": self.renew(controller), "controller": self.controller})
 
-        app = web.Application(client_max_size=4096)
-        app.router.add_post(ROUTE, renew)
+        async def expect(request: web.Request) -> web.Response | None:
+            if not check(_bearer(request), token):  # no "100 Continue" to a stranger, whatever the path
+                return web.json_response({"error": "missing or wrong token"}, status=401)
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            return None
+
+        async def no_route(request: web.Request) -> web.Response:
+            return web.json_response({"error": f"no {request.method} {request.path}; POST {ROUTE}"}, status=404)
+
+        app = web.Application(client_max_size=4096, middlewares=[authenticate])
+        app.router.add_post(ROUTE, renew, expect_handler=expect)
+        app.router.add_route("*", "/{tail:.*}", no_route, expect_handler=expect)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         try:

@@ -151,6 +151,9 @@ class RpcServer:
     async def _serve(self, on_ready: Callable[[str], None]) -> None:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._authenticate])
         app.router.add_post(ROUTE, self._handle, expect_handler=self._expect)
+        # every other path and method: the token first here too, even for "Expect: 100-continue" (aiohttp's own
+        # 404 would answer 100 Continue first, telling a stranger which paths are routes)
+        app.router.add_route("*", "/{tail:.*}", self._no_route, expect_handler=self._expect_no_route)
         runner = web.AppRunner(
             app, access_log=None, shutdown_timeout=self.shutdown_timeout_s, read_bufsize=READ_BUFSIZE
         )
@@ -209,6 +212,13 @@ class RpcServer:
             message = f"body of {length} bytes is over this server's limit of {self.max_body_bytes} (max_body_bytes)"
             return self._refusal(413, method, "PayloadTooLarge", message)
         return None
+
+    async def _no_route(self, request: web.Request) -> web.Response:
+        known = f"POST {ROUTE} with a method of {sorted([*self.handlers, SHUTDOWN])}"
+        return self._refusal(404, "", "NotFound", f"no {request.method} {request.path}; this server takes {known}")
+
+    async def _expect_no_route(self, request: web.Request) -> web.Response:
+        return self._unauthorized(request) if not self._authorized(request) else await self._no_route(request)
 
     async def _expect(self, request: web.Request) -> web.Response | None:
         refused = self._precheck(request)

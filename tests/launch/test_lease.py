@@ -75,6 +75,8 @@ def test_the_endpoint_wants_the_run_s_token_before_anything_else():
     assert post(address, b'{"controller": "mine"}', token="wrong")[0] == 401
     assert post(address, b"garbage", token="wrong")[0] == 401
     assert post(address, b"garbage")[0] == 400
+    assert post(address, b"{}", token="wrong", path="/other")[0] == 401, "no route is looked up before the token"
+    assert post(address, b"{}", path="/other")[0] == 404
     assert lease.renewals == 0
     lease.stop()
 

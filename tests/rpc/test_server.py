@@ -103,13 +103,15 @@ def test_token_is_checked_before_the_method_and_the_size(serve):
     [("POST", "/rpc/echo"), ("POST", "/rpc/nope"), ("POST", "/rpc/a/b"), ("POST", "/rpc/"), ("GET", "/rpc/echo"),
      ("PUT", "/rpc/shutdown"), ("POST", "/"), ("DELETE", "/x"), ("GET", "/rpc/%2e%2e/etc")],
 )  # fmt: skip
-def test_without_the_token_every_path_and_method_gets_the_same_401(serve, verb, path):
-    """Authentication before routing: a 404 or 405 would tell a stranger which paths and methods exist."""
+@pytest.mark.parametrize("expect", [{}, {"Expect": "100-continue"}], ids=["plain", "expect"])
+def test_without_the_token_every_path_and_method_gets_the_same_401(serve, verb, path, expect):
+    """Authentication before routing: a 404 or 405 (or a "100 Continue" on some paths only) would tell a
+    stranger which paths and methods exist."""
     handler = Counting()
     _, address = serve({"echo": handler})
     host, port = parse_hostport(address)
     conn = http.client.HTTPConnection(host, port, timeout=10)
-    conn.request(verb, path, body=b"x", headers={"Content-Length": "1", **bearer("wrong")})
+    conn.request(verb, path, body=b"x", headers={"Content-Length": "1", **bearer("wrong"), **expect})
     response = conn.getresponse()
     body = response.read()
     conn.close()
