@@ -383,15 +383,16 @@ def _split(items: list, parts: int) -> list[list]:
 def _episode_error_cause(error: BaseException) -> str | None:
     """The rejection cause of an episode error that fails one group, not the run; None: it fails the run.
 
-    A server that kept failing a request through the client's bounded retries, or an episode that raised on a
-    rollout worker: ``failed``. A request whose prompt plus ``max_new_tokens`` does not fit the model's context
-    (an exception class named ``ContextLengthError``, or a subclass of one, wherever the inference client defines
-    it): ``too_long``. A dead server or trainer is the watchdog's to report; many rejections in a row fail the
-    run (RolloutExecutor)."""
-    from hpcrl.inference.client import InferenceError
+    A request whose prompt plus ``max_new_tokens`` does not fit the model's context (``ContextLengthError``,
+    raised by the client before sending, here or on a rollout worker): ``too_long``. A server that kept failing
+    a request through the client's bounded retries, or an episode that raised on a rollout worker: ``failed``.
+    A dead server or trainer is the watchdog's to report; many rejections in a row fail the run
+    (RolloutExecutor)."""
+    from hpcrl.inference.client import ContextLengthError, InferenceError
     from hpcrl.rollout.remote import RolloutWorkerError
 
-    if any(cls.__name__ == "ContextLengthError" for cls in type(error).__mro__):
+    remote_type = getattr(error.__cause__, "error_type", None)  # a rollout worker's error, by its type's name
+    if isinstance(error, ContextLengthError) or remote_type == ContextLengthError.__name__:
         return "too_long"
     if isinstance(error, (InferenceError, RolloutWorkerError)):
         return "failed"

@@ -168,3 +168,27 @@ def test_a_trainer_that_dies_while_a_server_reloads_fails_the_run_within_the_wat
     assert took < 2.5, f"the watchdog noticed the dead trainer {took:.1f} s after it died (its period is 1 s)"
     assert servers.rejoins_started == 1, "one reload at a time, and the watchdog does not wait for it"
     assert servers.cancelled, "the reload under way ends with the run"
+
+
+# ---------------------------------------------------------------- which episode errors reject only their group
+
+
+def test_episode_errors_are_rejections_by_cause_or_fail_the_run():
+    from hpcrl.controller.loop import _episode_error_cause
+    from hpcrl.inference.client import ContextLengthError, InferenceError
+    from hpcrl.rollout.remote import RolloutWorkerError
+    from hpcrl.rpc.errors import RemoteError
+
+    def on_a_rollout_worker(error_type: str) -> RolloutWorkerError:
+        try:
+            raise RolloutWorkerError(0, "h:1", f"failed the episode: {error_type}") from RemoteError(
+                0, "h:1", "run_episode", error_type, "...", ""
+            )
+        except RolloutWorkerError as e:
+            return e
+
+    assert _episode_error_cause(ContextLengthError(500, 20, 512)) == "too_long"
+    assert _episode_error_cause(on_a_rollout_worker("ContextLengthError")) == "too_long"
+    assert _episode_error_cause(InferenceError("503 three times", server="h:2")) == "failed"
+    assert _episode_error_cause(on_a_rollout_worker("ValueError")) == "failed"
+    assert _episode_error_cause(KeyError("a bug")) is None, "anything else fails the run"
