@@ -16,7 +16,6 @@ import json
 import logging
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -24,7 +23,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from hpcrl.config import ConfigError, format_spec
-from hpcrl.config.hydra import exit_on_config_error, register_schema, to_config_or_exit
+from hpcrl.config.hydra import CONF_DIR, exit_on_config_error, register_schema, to_config_or_exit
 from hpcrl.config.load import dump_config
 from hpcrl.config.overrides import check_override_keys, expand_allocation_shorthand
 from hpcrl.controller.preempt import restarted_by_slurm
@@ -33,11 +32,10 @@ from hpcrl.logs import setup_logging
 from hpcrl.rundir import RunDir
 
 log = logging.getLogger("hpcrl.main")
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 STOP_DEADLINE_S = 20.0  # after SIGTERM or SIGINT, the orderly shutdown's time; then everything is killed
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def run(dcfg: DictConfig) -> None:
     cfg = to_config_or_exit(dcfg)
     requeued = restarted_by_slurm()

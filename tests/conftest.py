@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-CONF_DIR = REPO / "conf"
+CONF_DIR = REPO / "hpcrl" / "conf"
 
 
 def run_main(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:

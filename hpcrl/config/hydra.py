@@ -22,7 +22,7 @@ from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import Config
 
 SCHEMA_NAME = "hpcrl_schema"
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"  # the repository's Hydra config groups
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # the Hydra config groups, shipped in the package
 
 
 def _first_set(*values: Any) -> Any:
