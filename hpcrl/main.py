@@ -1,21 +1,27 @@
 """``python -m hpcrl.main [group=option ...] [key=value ...]``: the hpcrl job.
 
-Composes the config with Hydra (``conf/``), validates it before anything starts, makes the run
+Composes the config with Hydra (``hpcrl/conf``, and any ``--config-dir DIR`` after it), checks it before anything
+starts (``hpcrl.config.hydra.launch_config``: every value, the keys given counting, the model directory and data
+files there), makes the run
 directory ``<run.root>/<run.experiment>/<run.trial>/`` (under ``-m``, ``.../<run.trial>/<job number>/`` for
 each job of the sweep), refuses one where an earlier run left steps unless ``recover.mode=auto`` (or
 the Slurm job was requeued) resumes it, runs the job (``hpcrl.controller.job``) and
-ends with one JSON line on stdout: steps, wall_s, eval_accuracy_before, eval_accuracy_after, run_dir (and
-resumed_from_step when ``recover.mode=auto`` resumed from a checkpoint). With ``-m
-hydra/launcher=submitit_slurm`` the same function runs as a Slurm job; the config is validated in
-the submitting process first (``hpcrl.config.hydra.ValidateBeforeLaunch``).
+ends with one JSON line on stdout, also written to ``<run dir>/summary.json``: steps, wall_s,
+eval_accuracy_before, eval_accuracy_after, run_dir, final_model (and resumed_from_step when ``recover.mode=auto``
+resumed from a checkpoint). With ``-m hydra/launcher=submitit_slurm`` the same function runs as a Slurm job; the
+config is checked in the submitting process first, which says where the runs go and prints their summaries
+at the end (``hpcrl.config.hydra.ValidateBeforeLaunch``); a failed job's last lines of stderr are printed after
+submitit's report (``report_failed_job``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -23,9 +29,15 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from hpcrl.config import ConfigError, format_spec
-from hpcrl.config.hydra import CONF_DIR, exit_on_config_error, register_schema, to_config_or_exit
+from hpcrl.config.hydra import CONF_DIR, SUMMARY_FILE, exit_on_config_error, launch_config_or_exit, register_schema
 from hpcrl.config.load import dump_config
-from hpcrl.config.overrides import check_override_keys, expand_allocation_shorthand
+from hpcrl.config.overrides import (
+    check_override_keys,
+    config_dirs_in,
+    expand_allocation_shorthand,
+    imply_group_options,
+)
+from hpcrl.config.preflight import warn_tiny_task_settings
 from hpcrl.controller.preempt import restarted_by_slurm
 from hpcrl.launch.process import end_within
 from hpcrl.logs import setup_logging
@@ -37,7 +49,7 @@ STOP_DEADLINE_S = 20.0  # after SIGTERM or SIGINT, the orderly shutdown's time; 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def run(dcfg: DictConfig) -> None:
-    cfg = to_config_or_exit(dcfg)
+    cfg = launch_config_or_exit(dcfg, list(HydraConfig.get().overrides.task))
     requeued = restarted_by_slurm()
     if requeued and cfg.recover.mode != "auto":  # a requeued job goes on from its last checkpoint
         cfg = replace(cfg, recover=replace(cfg.recover, mode="auto"))
@@ -54,6 +66,7 @@ def run(dcfg: DictConfig) -> None:
     run_dir = RunDir.create(cfg.run.root, cfg.run.experiment, cfg.run.trial, sweep_job_number())
     setup_logging("controller", 0, cfg.run.log_level, run_dir.log_file("controller", 0))
     run_dir.write_config(dump_config(cfg))
+    warn_tiny_task_settings(cfg)
     log.info(
         "allocation %s on cluster %s (%s); run directory %s",
         format_spec(cfg.allocation.roles()),
@@ -83,6 +96,7 @@ def run(dcfg: DictConfig) -> None:
         log.error("the run failed: %s", e, exc_info=not isinstance(e, KeyboardInterrupt))
         print(f"hpcrl: the run failed ({type(e).__name__}): {e}", file=sys.stderr)
         sys.exit(1)
+    (run_dir.path / SUMMARY_FILE).write_text(json.dumps(summary) + "\n")
     print(json.dumps(summary), flush=True)
 
 
@@ -96,12 +110,44 @@ def sweep_job_number() -> int | None:
 def main() -> None:
     end_within(STOP_DEADLINE_S)  # a signalled run ends within this, whatever it is doing (launch/process.py)
     register_schema()
-    sys.argv = expand_allocation_shorthand(sys.argv)
+    sys.argv = imply_group_options(expand_allocation_shorthand(sys.argv))
     try:
-        check_override_keys(sys.argv[1:], CONF_DIR)
+        check_override_keys(sys.argv[1:], CONF_DIR, config_dirs_in(sys.argv[1:]))
     except ConfigError as e:
         exit_on_config_error(e)
-    run()
+    try:
+        run()
+    except SystemExit as e:  # Hydra reports an error, then exits: the error it reported is the exit's context
+        report_failed_job(e.__context__)
+        raise
+
+
+FAILED_JOB_LINES = 20  # the last lines of a failed job's stderr printed where it was submitted
+
+
+def report_failed_job(error: BaseException | None, lines: int = FAILED_JOB_LINES) -> None:
+    """A controller job that failed under a submitit launcher reaches the submitting process as submitit's
+    ``UncompletedJobError`` (or ``FailedJobError``), whose report holds the job's whole stderr, with the job's own
+    error somewhere inside: print that stderr's last lines (without submitit's own log lines) and where it is."""
+    if error is None or type(error).__name__ not in ("UncompletedJobError", "FailedJobError"):
+        return
+    text = str(error)
+    found = re.search(r"(\S+)_(?:result\.pkl|log\.err|log\.out)", text)
+    if found is None:
+        return
+    stderr = Path(found.group(1) + "_log.err")
+    state = re.search(r"\(state: (\w+)\)", text)
+    tail = [
+        line
+        for line in (stderr.read_text(errors="replace").splitlines() if stderr.is_file() else [])
+        if line.strip() and not line.startswith("submitit ")
+    ][-lines:]
+    print(
+        f"hpcrl: the controller job failed{f' ({state.group(1)})' if state else ''}; the last lines of its "
+        f"stderr, {stderr}:",
+        file=sys.stderr,
+    )
+    print("\n".join(f"    {line}" for line in tail) or "    (empty)", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

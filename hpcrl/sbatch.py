@@ -1,4 +1,4 @@
-"""``python -m hpcrl.sbatch controller|hetjob [--dry-run] [--write FILE] [--python PY] [overrides ...]``
+"""``python -m hpcrl.sbatch controller|hetjob [--dry-run] [--write FILE] [--python PY] [--config-dir DIR] [overrides]``
 
 Renders a batch script for the run the overrides describe (the same config ``python -m hpcrl.main``
 composes and checks) and submits it with sbatch:
@@ -8,7 +8,8 @@ composes and checks) and submits it with sbatch:
 
 --dry-run prints the script and the sbatch command and submits nothing; --write FILE writes the script
 there and submits nothing (slurm/*.sbatch are made this way). A bad config exits 2 before anything is
-written or submitted.
+written or submitted. ``--config-dir DIR`` (your own groups, e.g. DIR/cluster/mysite.yaml) is searched after
+hpcrl's, as by ``python -m hpcrl.main --config-dir DIR``, and the script passes it on to the run.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import argparse
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.hydra import compose_config, exit_on_config_error
-from hpcrl.config.overrides import expand_allocation_shorthand
+from hpcrl.config.overrides import expand_allocation_shorthand, imply_group_options
 from hpcrl.launch.slurm.hetjob import submit_script
 from hpcrl.launch.slurm.scripts import controller_script, run_hetjob_script, write_script
 
@@ -35,13 +37,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="print the script and the command; submit nothing")
     parser.add_argument("--write", type=Path, help="write the script to this file; submit nothing")
     parser.add_argument("--python", default=sys.executable, help="the interpreter the job runs (default: this one)")
+    parser.add_argument(
+        "--config-dir", "-cd", type=Path, action="append", default=[], help="a directory of config groups of your own"
+    )
     return parser.parse_intermixed_args(argv)  # options may come after the overrides
 
 
-def render(kind: str, overrides: list[str], python: str) -> str:
+def render(kind: str, overrides: list[str], python: str, config_dirs: Sequence[Path] = ()) -> str:
     """The script for ``kind``; ``ConfigError`` for a bad config, as ``hpcrl.main`` reports it."""
-    overrides = expand_allocation_shorthand(overrides)
-    cfg = compose_config(overrides)
+    dirs = [d.expanduser().absolute() for d in config_dirs]
+    overrides = imply_group_options(expand_allocation_shorthand(overrides))
+    cfg = compose_config(overrides, config_dirs=dirs)
+    overrides = [*(f"--config-dir={d}" for d in dirs), *overrides]  # the run composes from the same directories
     if cfg.cluster.kind != "slurm":
         raise ConfigError("cluster.kind", cfg.cluster.kind, "slurm for a batch script (e.g. cluster=slurm_local)")
     name = f"hpcrl-{cfg.run.experiment}"
@@ -55,7 +62,7 @@ def render(kind: str, overrides: list[str], python: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        text = render(args.kind, args.overrides, args.python)
+        text = render(args.kind, args.overrides, args.python, args.config_dir)
     except ConfigError as e:
         exit_on_config_error(e)
     if args.write:

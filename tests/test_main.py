@@ -55,7 +55,7 @@ def test_help_lists_the_groups_and_the_shorthand(main_cli):
     assert result.returncode == 0, result.stderr
     for group in ("allocation: 1node_8gpu, 2node_16gpu, cpu_tiny", "algorithm: dapo, dr_grpo, grpo, ppo"):
         assert group in result.stdout
-    assert "cluster: local, slurm, slurm_local" in result.stdout
+    assert "cluster: local, local_gpu, slurm, slurm_local" in result.stdout
     assert "sglang:d4t2+fsdp:d8" in result.stdout
 
 

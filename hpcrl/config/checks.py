@@ -20,6 +20,7 @@ from hpcrl.config.schema import (
     DatasetConfig,
     EvalConfig,
     InferenceConfig,
+    MetricsConfig,
     ModelConfig,
     NetConfig,
     RewardConfig,
@@ -43,7 +44,7 @@ def validate(cfg: Config) -> Config:
     allocation = resolve_allocation(cfg.allocation, cfg.cluster)
     check_algorithm(cfg.algorithm)
     check_model(cfg.model)
-    check_dataset(cfg.dataset)
+    dataset = check_dataset(cfg.dataset)
     check_train(cfg.train)
     check_rollout(cfg.rollout)
     check_workflow(cfg.workflow)
@@ -57,9 +58,12 @@ def validate(cfg: Config) -> Config:
     require(
         cfg.checkpoint.keep >= 0, "checkpoint.keep", cfg.checkpoint.keep, "an integer >= 0 (0 = keep every checkpoint)"
     )
+    every = cfg.export.every_steps
+    require(every >= 0, "export.every_steps", every, "an integer >= 0 (0 = the final model only)")
+    check_metrics(cfg.metrics)
     check_recover(cfg)
     warn_ignored(cfg)
-    return replace(cfg, allocation=allocation)
+    return replace(cfg, allocation=allocation, dataset=dataset)
 
 
 def check_run(run: RunConfig) -> None:
@@ -126,6 +130,8 @@ def _resolve_role(where: str, role: str, r: RoleAllocation, cluster: ClusterConf
     _check_gpus(where, r, gpus)
     if gpus > cluster.gpus_per_node:
         expected = f"at most cluster.gpus_per_node={cluster.gpus_per_node} ({cluster.name} nodes have that many)"
+        if cluster.kind == "local":  # the one-GPU-machine case: say what makes it work
+            expected += "; on one GPU machine without Slurm use cluster=local_gpu (or set cluster.gpus_per_node=N)"
         raise ConfigError(f"{where}.gpus_per_worker", gpus, expected)
     nodes = r.nodes or _fewest_nodes(r.workers, gpus, cluster.gpus_per_node)
     require(nodes >= 1, f"{where}.nodes", r.nodes, "an integer >= 0 (0 = the fewest that fit)")
@@ -226,11 +232,21 @@ def check_model(m: ModelConfig) -> None:
     require(ok, "model.tiny.num_heads", t.num_heads, f"a divisor of hidden_size={t.hidden_size}")
 
 
-def check_dataset(d: DatasetConfig) -> None:
+CHAT_TEMPLATE = ("true", "false", "auto")
+
+
+def check_dataset(d: DatasetConfig) -> DatasetConfig:
+    """Check the dataset section; return it with ``chat_template`` as one of CHAT_TEMPLATE (YAML's false is "False")."""
     one_of("dataset.name", d.name, ("mod10", "files"))
     require(d.name != "files" or bool(d.train_files), "dataset.train_files", d.train_files, "files for name=files")
+    for key in ("train_files", "eval_files"):
+        files = getattr(d, key)
+        expected = "no files with dataset.name=mod10, which makes its own rows: add dataset=files (or dataset=gsm8k)"
+        require(d.name != "mod10" or not files, f"dataset.{key}", files, expected)
+    one_of("dataset.chat_template", str(d.chat_template).lower(), CHAT_TEMPLATE)
     require(d.train_size >= 1, "dataset.train_size", d.train_size, "an integer >= 1")
     require(d.eval_size >= 1, "dataset.eval_size", d.eval_size, "an integer >= 1")
+    return replace(d, chat_template=str(d.chat_template).lower())
 
 
 def check_train(t: TrainConfig) -> None:
@@ -340,6 +356,17 @@ def check_reward(r: RewardConfig) -> None:
 def check_eval(e: EvalConfig) -> None:
     require(e.every_steps >= 0, "eval.every_steps", e.every_steps, "an integer >= 0 (0 = before and after only)")
     require(0 <= e.stop_at_accuracy <= 1, "eval.stop_at_accuracy", e.stop_at_accuracy, "a fraction in [0, 1]")
+
+
+LOGGERS = ("tensorboard", "wandb")
+
+
+def check_metrics(m: MetricsConfig) -> None:
+    for name in m.loggers:
+        one_of("metrics.loggers", name, LOGGERS)
+    require(len(set(m.loggers)) == len(m.loggers), "metrics.loggers", m.loggers, "each logger at most once")
+    one_of("metrics.wandb.mode", m.wandb.mode, ("offline", "online", "disabled"))
+    require(bool(m.wandb.project), "metrics.wandb.project", m.wandb.project, "a project name")
 
 
 def check_recover(cfg: Config) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -91,23 +92,55 @@ def exit_on_config_error(e: ConfigError) -> NoReturn:
     sys.exit(2)
 
 
-def compose_config(overrides: list[str], conf_dir: Path = CONF_DIR) -> Config:
-    """The validated config ``python -m hpcrl.main OVERRIDES`` would run (shorthand expanded, keys checked);
-    ``ConfigError`` for a bad one, Hydra's composition errors (an unknown group option) included."""
+def compose_config(overrides: list[str], conf_dir: Path = CONF_DIR, config_dirs: Sequence[Path] = ()) -> Config:
+    """The config ``python -m hpcrl.main [--config-dir DIR ...] OVERRIDES`` would run, checked as it checks it
+    (shorthand expanded, ``model.path`` implying ``model=local``, keys and group options, every value, the keys
+    given counting, the model directory and data files there); ``ConfigError`` for a bad one, Hydra's
+    composition errors included. ``config_dirs`` are searched after ``conf_dir``, as ``--config-dir`` is."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
 
-    from hpcrl.config.overrides import check_override_keys, expand_allocation_shorthand
+    from hpcrl.config.overrides import check_override_keys, expand_allocation_shorthand, imply_group_options
 
-    overrides = expand_allocation_shorthand(overrides)
-    check_override_keys(overrides, conf_dir)
+    overrides = imply_group_options(expand_allocation_shorthand(overrides))
+    check_override_keys(overrides, conf_dir, config_dirs)
     register_schema()
     try:
         with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
-            return to_config(compose(config_name="config", overrides=overrides))
+            dcfg = compose(config_name="config", overrides=with_searchpath(overrides, config_dirs))
     except HydraException as e:
         cause = f": {e.__cause__}" if e.__cause__ else ""
         raise ConfigError("overrides", " ".join(overrides), f"a config Hydra can compose ({e}{cause})") from e
+    return launch_config(dcfg, overrides)
+
+
+def with_searchpath(overrides: list[str], dirs: Sequence[Path]) -> list[str]:
+    """``overrides`` with ``dirs`` added to ``hydra.searchpath`` (after any entries given there)."""
+    if not dirs:
+        return overrides
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    entries, rest = [], []
+    for line in overrides:
+        if line.partition("=")[0] == "hydra.searchpath":
+            (override,) = OverridesParser.create().parse_overrides([line])
+            entries += [str(v) for v in override.value()]
+        else:
+            rest.append(line)
+    entries += [f"file://{d}" for d in dirs]
+    return [*rest, f"hydra.searchpath=[{','.join(entries)}]"]
+
+
+def launch_config(dcfg: DictConfig, overrides: Sequence[str]) -> Config:
+    """The checks before a launch: ``to_config``, then the keys given that the config would ignore
+    (``overrides.check_given_keys_count``), then what it names outside itself (``preflight``)."""
+    from hpcrl.config.overrides import check_given_keys_count
+    from hpcrl.config.preflight import preflight
+
+    cfg = to_config(dcfg)
+    check_given_keys_count(overrides, cfg)
+    preflight(cfg)
+    return cfg
 
 
 def to_config_or_exit(dcfg: DictConfig) -> Config:
@@ -117,11 +150,41 @@ def to_config_or_exit(dcfg: DictConfig) -> Config:
         exit_on_config_error(e)
 
 
+def launch_config_or_exit(dcfg: DictConfig, overrides: Sequence[str]) -> Config:
+    try:
+        return launch_config(dcfg, overrides)
+    except ConfigError as e:
+        exit_on_config_error(e)
+
+
 class ValidateBeforeLaunch(Callback):
-    """Fail a multirun before its launcher submits anything when the config is invalid.
+    """Fail a multirun before its launcher submits anything when the config is invalid; with a submitit
+    launcher, say where each job's run directory and logs will be, and print each job's summary at the end.
 
     Hydra turns an exception raised in a callback into a warning and goes on, so this exits instead.
     """
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        to_config_or_exit(config)
+        launch_config_or_exit(config, list(config.hydra.overrides.task))
+        if _submitit(config):
+            sweep = Path(str(config.hydra.sweep.dir)).absolute()
+            print(
+                f"hpcrl: each job of this sweep runs in {sweep}/<job number>/ (0 for a single job); follow it in "
+                f"{sweep}/<job number>/logs/controller-0.log; the jobs' own output: {sweep}/.submitit/<job id>/",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if not _submitit(config):
+            return  # the basic launcher's jobs print their summary themselves
+        sweep = Path(str(config.hydra.sweep.dir)).absolute()
+        for summary in sorted(sweep.glob(f"*/{SUMMARY_FILE}"), key=lambda p: int(p.parent.name)):
+            print(summary.read_text().strip(), flush=True)
+
+
+SUMMARY_FILE = "summary.json"  # a run directory's summary line, which hpcrl.main also prints
+
+
+def _submitit(config: DictConfig) -> bool:
+    return "submitit" in str(config.hydra.launcher.get("_target_", ""))

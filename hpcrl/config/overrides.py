@@ -1,22 +1,47 @@
-"""Command-line overrides, checked before Hydra composes them.
+"""Command-line overrides, checked before Hydra composes them, and what they imply.
 
-Hydra already rejects a misspelled key, but with a multi-line report and no hint; this check names
-the key, its value and the keys that exist (with the closest one), in one line. It also routes the
-allocation shorthand (``allocation=sglang:d4t2+fsdp:d8``) to ``allocation.spec``.
+Hydra already rejects a misspelled key or group option, but with a multi-line report, exit code 1 and no
+hint; these checks name the key (or the group), its value and what exists (with the closest match), in one
+line. ``expand_allocation_shorthand`` routes ``allocation=sglang:d4t2+fsdp:d8`` to ``allocation.spec``;
+``imply_group_options`` makes ``model.path=DIR`` alone mean ``model=local``. After composition,
+``check_given_keys_count`` refuses a key given on the command line that the composed config would ignore
+(``dataset.train_files`` while ``dataset.name`` is ``mod10``), naming the option to add.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.resources
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ChoiceSweep, Override
 from hydra.errors import OverrideParseException
 
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import Config
+
+SHORTHAND_EXAMPLE = "sglang:d4t2+fsdp:d8"
+
+# A key that counts only while another field has one of some values: (key, field, values, the option to add).
+# A key given on the command line whose field has another value is refused (check_given_keys_count).
+COUNTS_WHEN: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
+    ("dataset.train_files", "dataset.name", ("files",), "dataset=files (or dataset=gsm8k, experiment=gsm8k)"),
+    ("dataset.eval_files", "dataset.name", ("files",), "dataset=files (or dataset=gsm8k, experiment=gsm8k)"),
+    ("dataset.prompt_column", "dataset.name", ("files",), "dataset=files"),
+    ("dataset.answer_column", "dataset.name", ("files",), "dataset=files"),
+    ("dataset.prompt_template", "dataset.name", ("files",), "dataset=files"),
+    ("dataset.train_size", "dataset.name", ("mod10",), "dataset=mod10"),
+    ("model.path", "model.source", ("local",), "model=local"),
+    ("model.tiny", "model.source", ("tiny",), "model=tiny"),
+    ("checkpoint.keep", "checkpoint.every_steps", (), "checkpoint.every_steps=N"),  # (): any value but 0
+    ("train.weight_sync_bucket_mb", "train.weight_sync", ("distributed",), "train.weight_sync=distributed"),
+    ("inference.max_restarts", "inference.on_server_exit", ("restart",), "inference.on_server_exit=restart"),
+    ("metrics.wandb", "metrics.loggers", ("wandb",), "logger=wandb (or metrics.loggers=[tensorboard,wandb])"),
+)
 
 
 def expand_allocation_shorthand(argv: list[str]) -> list[str]:
@@ -30,25 +55,120 @@ def expand_allocation_shorthand(argv: list[str]) -> list[str]:
     return out
 
 
-def check_override_keys(args: list[str], conf_dir: Path) -> None:
-    """Raise ConfigError for a ``key=value`` argument whose key is not in the schema."""
-    candidates = [a for a in args if "=" in a and not a.startswith("-")]
-    groups = {p.name for p in conf_dir.iterdir() if p.is_dir()}
-    parser = OverridesParser.create()
-    for line in candidates:
-        try:
-            (override,) = parser.parse_overrides([line])
-        except OverrideParseException as e:
-            key, _, value = line.partition("=")
-            expected = (
-                "a value in Hydra's override syntax: quote one that holds spaces, brackets or a leading '--' "
-                f"(key='a b', key=[\"--x=1\"]); Hydra says: {str(e).splitlines()[0]}"
-            )
-            raise ConfigError(key, value, expected) from e
+def imply_group_options(argv: list[str]) -> list[str]:
+    """``model.path=DIR`` without a ``model=`` option means a local model: add ``model=local``, as a user of
+    other frameworks expects (``model=tiny`` would make a tiny model and leave the path unused)."""
+    keys = {arg.partition("=")[0].lstrip("+~") for arg in argv if "=" in arg and not arg.startswith("-")}
+    if "model.path" in keys and "model" not in keys:
+        return [*argv, "model=local"]
+    return argv
+
+
+def config_dirs_in(argv: Sequence[str]) -> list[Path]:
+    """The directories ``--config-dir DIR`` (``-cd``) and ``--config-path`` (``-cp``) add to Hydra's search path."""
+    found = []
+    flags = ("--config-dir", "-cd", "--config-path", "-cp")
+    for i, arg in enumerate(argv):
+        flag, sep, value = arg.partition("=")
+        if flag in flags:
+            value = value if sep else (argv[i + 1] if i + 1 < len(argv) else "")
+            if value:
+                found.append(Path(value).expanduser().absolute())
+    return found
+
+
+def without_config_dirs(argv: Sequence[str]) -> list[str]:
+    """``argv`` without its ``--config-dir``/``--config-path`` flags and their values."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        flag, sep, _ = arg.partition("=")
+        if flag in ("--config-dir", "-cd", "--config-path", "-cp"):
+            skip = not sep
+            continue
+        out.append(arg)
+    return out
+
+
+def check_override_keys(args: list[str], conf_dir: Path, extra_dirs: Sequence[Path] = ()) -> None:
+    """Raise ConfigError for a ``key=value`` argument whose key is not in the schema, or a ``group=option`` whose
+    option is in no config directory (``conf_dir``, ``extra_dirs`` and any ``hydra.searchpath`` given)."""
+    overrides = [_parse(a) for a in args if "=" in a and not a.startswith("-")]
+    dirs = [conf_dir, *extra_dirs, *_searchpath_dirs(overrides)]
+    options = group_options(dirs)
+    for override in overrides:
         key = override.key_or_group
-        if key.split(".")[0] == "hydra" or key in groups or "/" in key or override.package is not None:
+        if key in options:
+            _check_option(override, key, options[key])
+            continue
+        if key.split(".")[0] == "hydra" or "/" in key or override.package is not None:
             continue
         _check_key(key, override.input_line or key)
+
+
+def group_options(dirs: Sequence[Path]) -> dict[str, list[str]]:
+    """{group: its options} over ``dirs``: every top-level folder is a group, every YAML file in it an option."""
+    options: dict[str, set[str]] = {}
+    for d in dirs:
+        if not d.is_dir():
+            continue
+        for group in d.iterdir():
+            if group.is_dir() and group.name != "hydra":
+                options.setdefault(group.name, set()).update(p.stem for p in group.glob("*.yaml"))
+    return {group: sorted(names) for group, names in options.items()}
+
+
+def _parse(line: str) -> Override:
+    try:
+        (override,) = OverridesParser.create().parse_overrides([line])
+    except OverrideParseException as e:
+        key, _, value = line.partition("=")
+        expected = (
+            "a value in Hydra's override syntax: quote one that holds spaces, brackets or a leading '--' "
+            f"(key='a b', key=[\"--x=1\"]); Hydra says: {str(e).splitlines()[0]}"
+        )
+        raise ConfigError(key, value, expected) from e
+    return override
+
+
+def _searchpath_dirs(overrides: list[Override]) -> list[Path]:
+    """The local directories of a ``hydra.searchpath=[file://DIR, pkg://PACKAGE/SUB]`` override."""
+    dirs = []
+    for override in overrides:
+        if override.key_or_group != "hydra.searchpath" or not isinstance(override.value(), list):
+            continue
+        for entry in override.value():
+            scheme, _, where = str(entry).partition("://")
+            if scheme == "file":
+                dirs.append(Path(where))
+            elif scheme == "pkg":
+                package, _, sub = where.partition("/")
+                try:
+                    dirs.append(Path(str(importlib.resources.files(package).joinpath(sub))))
+                except ModuleNotFoundError:
+                    continue  # Hydra reports a search path it cannot read
+    return dirs
+
+
+def _check_option(override: Override, group: str, options: list[str]) -> None:
+    value = override.value()
+    if override.is_delete() or value is None:
+        return  # ~experiment, experiment=null: no option
+    if isinstance(value, ChoiceSweep):
+        chosen = [str(v) for v in value.list]
+    elif isinstance(value, str):
+        chosen = [value]
+    else:
+        return  # glob(...), range(...): Hydra expands them against what exists
+    for option in chosen:
+        if option in options or option.startswith("${"):
+            continue
+        close = difflib.get_close_matches(option, options, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        extra = f", or a shorthand such as {SHORTHAND_EXAMPLE}" if group == "allocation" else ""
+        raise ConfigError(group, option, f"an option of {group}: {hint}options are {', '.join(options)}{extra}")
 
 
 def _check_key(key: str, line: str) -> None:
@@ -70,3 +190,35 @@ def _expected(where: str, part: str, keys: list[str]) -> str:
     close = difflib.get_close_matches(part, keys, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
     return f"a key of {where}: {hint}keys are {', '.join(keys)}"
+
+
+def check_given_keys_count(overrides: Sequence[str], cfg: Config) -> None:
+    """Raise ConfigError for a key given in ``overrides`` that ``cfg`` ignores (``COUNTS_WHEN``), naming the option
+    that makes it count."""
+    given = {}
+    for arg in overrides:
+        if "=" in arg and not arg.startswith(("-", "~")):
+            override = _parse(arg)
+            given[override.key_or_group] = override.value()
+    for key, value in given.items():
+        for prefix, field, values, option in COUNTS_WHEN:
+            if key != prefix and not key.startswith(prefix + "."):
+                continue
+            actual = _get(cfg, field)
+            if _counts(actual, values):
+                continue
+            now = ", ".join(actual) if isinstance(actual, list) else actual
+            wanted = f"{field}={'|'.join(values)}" if values else f"{field} set"
+            raise ConfigError(key, value, f"{option} beside it: {key} counts only with {wanted} ({field} is {now})")
+
+
+def _counts(actual: typing.Any, values: tuple[str, ...]) -> bool:
+    if isinstance(actual, list):
+        return any(v in actual for v in values)
+    return str(actual) in values if values else bool(actual)
+
+
+def _get(cfg: typing.Any, dotted: str) -> typing.Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg

@@ -40,7 +40,7 @@ Every field of hpcrl's config, with its type, its default and the comment it car
 prints the composed config. Ranges and cross-field rules are checked before anything starts
 (`hpcrl/config/checks.py`): a bad value exits with code 2 and one line naming the field.
 
-Defaults here are the schema's; the default groups of `conf/config.yaml` (`cluster=local`,
+Defaults here are the schema's; the default groups of `hpcrl/conf/config.yaml` (`cluster=local`,
 `allocation=cpu_tiny`, ...) override some of them.
 """
 

@@ -170,7 +170,8 @@ class DatasetConfig:
     eval_files: list[str] = field(default_factory=list)  # held-out files for name=files
     prompt_column: str = "prompt"  # column holding the prompt
     answer_column: str = "answer"  # column holding the reference answer
-    prompt_template: str = "{prompt}"  # Python format string applied to each row
+    prompt_template: str = "{prompt}"  # Python format string applied to each row's string prompt
+    chat_template: str = "auto"  # the tokenizer's chat template on string prompts: true | false | auto (if it has one)
     train_size: int = 2000  # rows made for a synthetic training set
     eval_size: int = 200  # rows made for a synthetic held-out set
 
@@ -235,6 +236,26 @@ class CheckpointConfig:
 
 
 @dataclass
+class ExportConfig:
+    every_steps: int = 0  # also keep the model every this many steps in <run dir>/exports/step_NNNNNN/; 0 = final only
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline: files in <run dir>/wandb, sent later with `wandb sync` | online | disabled
+    project: str = "hpcrl"  # Weights & Biases project
+    entity: str = ""  # team or user; "" = the account's default
+    name: str = ""  # run name; "" = <run.experiment>/<run.trial>
+    tags: list[str] = field(default_factory=list)  # tags of the run
+
+
+@dataclass
+class MetricsConfig:
+    loggers: list[str] = field(default_factory=lambda: ["tensorboard"])  # besides metrics.jsonl: tensorboard, wandb
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # metrics.loggers with wandb (pip install 'hpcrl[wandb]')
+
+
+@dataclass
 class RecoverConfig:
     mode: str = "off"  # off: start from step 1 | auto: resume from the run directory's newest complete checkpoint
 
@@ -269,4 +290,6 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)  # how completions are scored
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation and early stop
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # resumable checkpoints
+    export: ExportConfig = field(default_factory=ExportConfig)  # the trained model in Hugging Face layout
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)  # where metrics go besides metrics.jsonl
     recover: RecoverConfig = field(default_factory=RecoverConfig)  # resuming a run from its checkpoints

@@ -1,9 +1,11 @@
 """The job ``python -m hpcrl.main`` runs: data, model, workers, the loop, and its summary.
 
-    prepare: data splits -> model directory (a tiny one is made for the task) -> config.yaml + secret
+    prepare: data splits -> prompts as the model sees them (dataset.chat_template) -> model directory (a tiny one is
+             made for the task) -> config.yaml + secret
     start:   scheduler (local, or Slurm) -> server workers + trainer ranks (each registers host:port when it serves)
     run:     Loop (rollout -> train -> weight sync -> eval -> metrics) until the budget or the target
-    end:     trainers shut down over RPC; leaving the scheduler's block stops every process tree by PID
+    end:     the trained model exported to <run dir>/final/ (Hugging Face layout); trainers shut down over RPC;
+             leaving the scheduler's block stops every process tree by PID
 
 Healthy shutdown: the loop returns, workers are told to stop, then the scheduler ends what is left.
 Crash shutdown (an exception, Ctrl-C, SIGTERM, a dead worker): the exception unwinds through the
@@ -51,7 +53,7 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
     from hpcrl.data import load_splits
 
     train, held_out = load_splits(cfg.dataset, cfg.run.seed)
-    train_rows, eval_rows = list(train), list(held_out)
+    train_rows, eval_rows = prepare_rows(cfg, list(train), list(held_out))
     model_path = prepare_model(cfg, run_dir, train_rows + eval_rows)
     cfg = replace(cfg, model=replace(cfg.model, path=str(model_path)))
     run_dir.write_config(dump_config(cfg))
@@ -127,6 +129,10 @@ async def _drive(cfg, run_dir, workers, addresses, token, rows, preempt) -> dict
         with Progress(cfg.run.max_steps) as progress:
             loop.progress = progress.update
             summary = await loop.run(sync)
+        final = run_dir.path / FINAL_DIR
+        await trainers.export(final)  # the weights the last evaluation measured
+        log.info("the trained model, in Hugging Face layout: %s", final)
+        summary["final_model"] = str(final)
         await sync.close()
         await trainers.shutdown()
         if episodes is not None:
@@ -157,13 +163,35 @@ async def _episodes(addresses: list[str], token: str, max_in_flight: int) -> Asy
         yield episodes
 
 
+FINAL_DIR = "final"  # <run dir>/final/: the trained model at the end of the run
+
+
+def prepare_rows(cfg: Config, train: list[dict], held_out: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The rows with each prompt as the model sees it (``hpcrl.data.chat``: the chat template on string prompts
+    under dataset.chat_template, and on chat-format rows). The tiny model's tokenizer is made with every character
+    (its template is the same whatever its alphabet); ``prepare_model`` then takes the alphabet from these prompts."""
+    from hpcrl.data.chat import render_prompts
+
+    if cfg.model.source == "local":
+        from hpcrl.models.tokenizer import load_tokenizer
+
+        tokenizer, where = load_tokenizer(cfg.model.path), f"the tokenizer of model.path={cfg.model.path}"
+    else:
+        from hpcrl.models.tiny import make_tokenizer
+
+        tokenizer, where = make_tokenizer(), "the tiny model's tokenizer"
+    rows = render_prompts(train + held_out, tokenizer, cfg.dataset.chat_template, where)
+    return rows[: len(train)], rows[len(train) :]
+
+
 def prepare_model(cfg: Config, run_dir: RunDir, rows: list[dict[str, str]]) -> Path:
-    """The model directory: model.path, or a tiny model made for the task's characters (reused if there).
+    """The model directory: model.path (absolute, as workers on other nodes read it from config.yaml), or a tiny
+    model made for the task's characters (reused if there).
 
     The alphabet holds every character of the rows and of the text the workflow adds (``workflow_text``);
     a small alphabet is what lets the tiny model learn in minutes."""
     if cfg.model.source == "local":
-        return Path(cfg.model.path)
+        return Path(cfg.model.path).expanduser().absolute()
     out = run_dir.path / "model"
     if (out / "config.json").exists() and any(out.glob("*.safetensors")):
         return out

@@ -125,7 +125,9 @@ class Loop:
         restored = await self._begin(executor, sync)
         done = restored.step if restored else 0
         # under recover.mode=auto an interrupted run may have logged steps past ``done``: they run again
-        metrics_log = MetricsLog(self.run_dir.path, keep_until=done if cfg.recover.mode == "auto" else None)
+        keep_until = done if cfg.recover.mode == "auto" else None
+        name = f"{cfg.run.experiment}/{cfg.run.trial}"
+        metrics_log = MetricsLog(self.run_dir.path, keep_until, cfg.metrics, run_name=name, run_config=cfg)
         executor.start()
         step, metrics = done, {}
         try:
@@ -133,6 +135,8 @@ class Loop:
                 metrics = await self._step(step, executor, sync)
                 if self._eval_due(step):
                     self.accuracy = metrics["eval_accuracy"] = await self.evaluate()
+                if cfg.export.every_steps and step % cfg.export.every_steps == 0:
+                    metrics["time_export_s"] = await self._export(step)
                 state = None
                 if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
                     state, metrics["time_checkpoint_s"] = await self._save_checkpoint(step)
@@ -341,6 +345,12 @@ class Loop:
         state, seconds = await self._save_checkpoint(step)
         self.checkpoints.publish(state)
         return seconds
+
+    async def _export(self, step: int) -> float:
+        """export.every_steps: the model as trained to ``step``, in Hugging Face layout, in exports/step_NNNNNN/."""
+        start = time.monotonic()
+        await self.w.trainers.export(self.run_dir.path / "exports" / f"step_{step:06d}")
+        return round(time.monotonic() - start, 4)
 
     async def _save_checkpoint(self, step: int) -> tuple[ControllerState, float]:
         """The controller's state, taken at once (the rollout goes on meanwhile), and the trainers' sharded state

@@ -1,7 +1,15 @@
-"""What a run reports: ``metrics.jsonl`` (one line per step), TensorBoard events, a PNG plot."""
+"""What a run reports: ``metrics.jsonl`` (one line per step), a log line per step and per evaluation, TensorBoard
+events and Weights & Biases (``metrics.loggers``), a PNG plot.
+
+Weights & Biases runs in ``offline`` mode unless ``metrics.wandb.mode`` says otherwise (cluster nodes often have
+no internet): it writes ``<run dir>/wandb/offline-run-*``, which ``wandb sync`` uploads later from any machine.
+The W&B run id is made from the run directory, so a resumed run (``recover.mode=auto``) logs to the same run.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -9,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hpcrl.config.schema import MetricsConfig, WandbConfig
 from hpcrl.rundir import write_atomic
 
 log = logging.getLogger(__name__)
@@ -17,16 +26,23 @@ PLOTTED = (("reward_mean", "mean reward"), ("eval_accuracy", "held-out accuracy"
 
 
 class MetricsLog:
-    """Appends one JSON line per step and mirrors each scalar to TensorBoard.
+    """Appends one JSON line per step, logs one line per step (and per evaluation), and mirrors each scalar to the
+    loggers of ``metrics.loggers`` (TensorBoard, Weights & Biases).
 
     A run that may follow an interrupted one (``recover.mode=auto``) passes ``keep_until``, the last step it
     does not train again (0 when it starts fresh): the lines of later steps are dropped from ``metrics.jsonl``,
     and TensorBoard hides their events, so every step appears once.
     """
 
-    def __init__(self, run_dir: Path, keep_until: int | None = None):
-        from torch.utils.tensorboard import SummaryWriter
-
+    def __init__(
+        self,
+        run_dir: Path,
+        keep_until: int | None = None,
+        settings: MetricsConfig | None = None,
+        run_name: str = "",  # Weights & Biases' run name when metrics.wandb.name is empty
+        run_config: Any = None,  # the run's config (a dataclass), shown by Weights & Biases
+    ):
+        settings = settings or MetricsConfig()
         self.path = run_dir / "metrics.jsonl"
         purge_step = None
         if keep_until is not None:
@@ -34,7 +50,14 @@ class MetricsLog:
                 log.info("dropped %d line(s) after step %d from %s: they run again", dropped, keep_until, self.path)
             purge_step = keep_until + 1
         self._file = self.path.open("a")
-        self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge_step)
+        self._tb = None
+        if "tensorboard" in settings.loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge_step)
+        self._wandb = None
+        if "wandb" in settings.loggers:
+            self._wandb = start_wandb(run_dir, settings.wandb, run_name, run_config)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Append the step's line and put it on disk before returning: the loop marks a checkpoint of this step
@@ -42,13 +65,67 @@ class MetricsLog:
         self._file.write(json.dumps({"step": step, **metrics}) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())
-        for name, value in metrics.items():
-            if isinstance(value, (int, float)) and math.isfinite(value):
+        log.info("%s", step_line(step, metrics))
+        if "eval_accuracy" in metrics:
+            log.info("evaluation at step %d: held-out greedy accuracy %.3f", step, metrics["eval_accuracy"])
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        if self._tb is not None:
+            for name, value in scalars.items():
                 self._tb.add_scalar(name, value, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
 
     def close(self) -> None:
         self._file.close()
-        self._tb.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def step_line(step: int, m: dict[str, Any]) -> str:
+    """One step as a line of the controller's log: reward, accuracy when measured, step time, staleness, rejections."""
+    parts = [f"step {step}: reward {m.get('reward_mean', float('nan')):.3f}"]
+    if "eval_accuracy" in m:
+        parts.append(f"accuracy {m['eval_accuracy']:.3f}")
+    if "loss" in m:
+        parts.append(f"loss {m['loss']:.4g}")
+    parts.append(f"{m.get('time_step_s', float('nan')):.2f} s")
+    parts.append(f"staleness {m.get('staleness_mean', 0.0):.2f} (max {m.get('staleness_max', 0)})")
+    if "completion_len_mean" in m:
+        parts.append(f"completion {m['completion_len_mean']:.1f} tokens")
+    if m.get("groups_rejected"):
+        parts.append(f"{m['groups_rejected']} groups rejected so far")
+    return ", ".join(parts)
+
+
+def wandb_run_id(run_dir: Path) -> str:
+    """The same id for every start of the run in ``run_dir``, so a resumed run goes on in the same W&B run."""
+    return hashlib.sha1(str(run_dir.absolute()).encode()).hexdigest()[:16]
+
+
+def start_wandb(run_dir: Path, settings: WandbConfig, run_name: str, run_config: Any) -> Any:
+    """A Weights & Biases run writing to ``<run dir>/wandb`` (offline: nothing leaves this machine until ``wandb
+    sync``)."""
+    import wandb
+
+    config = dataclasses.asdict(run_config) if dataclasses.is_dataclass(run_config) else run_config
+    run = wandb.init(
+        mode=settings.mode,
+        project=settings.project,
+        entity=settings.entity or None,
+        name=settings.name or run_name or run_dir.name,
+        tags=list(settings.tags),
+        config=config,
+        dir=str(run_dir),
+        id=wandb_run_id(run_dir),
+        resume="allow" if settings.mode == "online" else None,
+        settings=wandb.Settings(silent=True, console="off"),
+    )
+    where = run_dir / "wandb"
+    if settings.mode == "offline":
+        log.info("Weights & Biases (offline) writes to %s: upload it with `wandb sync %s/offline-run-*`", where, where)
+    return run
 
 
 def cut_metrics(path: Path, last_step: int) -> int:

@@ -9,10 +9,17 @@ path that is not an existing file is an error, never a dataset name looked up on
 becomes ``{"prompt": prompt_template.format(**row, prompt=<prompt column>), "answer": <answer column>}``,
 so the template may use any column of the row; ``{prompt}`` is always the prompt column.
 
+A prompt may also be a conversation, a list of ``{"role": ..., "content": ...}`` messages (chat format): such
+a row's messages go, as JSON text, in a ``messages`` column (``""`` for the string prompts beside them), and
+``hpcrl.data.chat.render_prompts`` turns them into the prompt text with the tokenizer's chat template, once the
+model is known. ``prompt_template`` applies to string prompts only: with a chat-format row it must be
+``{prompt}``.
+
 Checked, with an error naming the file, the 0-based row (and for ``.jsonl`` the 1-based line) and the
 column: a column that is missing or null, a prompt that is not a string, an answer that is not a
 string or a number (numbers become strings: ``3`` -> ``"3"``, ``3.0`` -> ``"3"``, ``2.5`` ->
-``"2.5"``), invalid JSON, a template naming an unknown column or failing on a row, an empty file.
+``"2.5"``), a message without a string role or content, invalid JSON, a template naming an unknown column or
+failing on a row, an empty file.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from datasets import Dataset
 
 from hpcrl.data.mod10 import FEATURES
 
+CHAT_FEATURES = datasets.Features({**FEATURES, "messages": datasets.Value("string")})
+
 log = logging.getLogger(__name__)
 
 KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # extension -> datasets builder
@@ -47,11 +56,13 @@ def load_rows(
     prompt_template: str = "{prompt}",
     cache_dir: str | None = None,  # where datasets keeps its Arrow cache; None = its default (HF_DATASETS_CACHE)
 ) -> Dataset:
-    """The rows of ``files``, in order, as ``{"prompt", "answer"}`` strings; ``DataError`` for bad input."""
+    """The rows of ``files``, in order, as ``{"prompt", "answer"}`` strings (and ``messages`` when some row is in chat
+    format); ``DataError`` for bad input."""
     kind = _check_files(files)
     fields = template_fields(prompt_template)
     prompts: list[str] = []
     answers: list[str] = []
+    messages: list[str] = []  # JSON text of a chat-format row's messages, "" for a string prompt
     for file in files:
         rows = _Rows(file, kind, cache_dir)
         wanted = {prompt_column: "dataset.prompt_column", answer_column: "dataset.answer_column"}
@@ -65,9 +76,17 @@ def load_rows(
             try:
                 prompt = _prompt(prompt_column, row[prompt_column])
                 answers.append(_answer(answer_column, row[answer_column]))
-                prompts.append(_apply(prompt_template, {**row, "prompt": prompt}))
+                if isinstance(prompt, list):
+                    _template_is_plain(prompt_template)
+                    prompts.append("")
+                    messages.append(json.dumps(prompt))
+                else:
+                    prompts.append(_apply(prompt_template, {**row, "prompt": prompt}))
+                    messages.append("")
             except _BadRow as e:
                 raise DataError(f"{rows.where(i)}: {e}") from e.__cause__
+    if any(messages):
+        return Dataset.from_dict({"prompt": prompts, "answer": answers, "messages": messages}, features=CHAT_FEATURES)
     return Dataset.from_dict({"prompt": prompts, "answer": answers}, features=FEATURES)
 
 
@@ -202,10 +221,25 @@ class _BadRow(Exception):
     """What is wrong with one row; ``load_rows`` adds where the row is."""
 
 
-def _prompt(column: str, value: Any) -> str:
+def _prompt(column: str, value: Any) -> str | list[dict[str, str]]:
     if isinstance(value, str):
         return value
-    raise _BadRow(f"column {column!r} is {_describe(value)}; expected a string prompt")
+    expected = "expected a string prompt, or a list of {role, content} messages"
+    if not isinstance(value, list) or not value:
+        raise _BadRow(f"column {column!r} is {_describe(value)}; {expected}")
+    for n, message in enumerate(value):
+        ok = isinstance(message, dict) and all(isinstance(message.get(k), str) for k in ("role", "content"))
+        if not ok:
+            raise _BadRow(f"column {column!r}: message {n} is {_describe(message)}; {expected}, each a string")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _template_is_plain(template: str) -> None:
+    if template != "{prompt}":
+        raise _BadRow(
+            f"the prompt is a list of messages, and dataset.prompt_template={template!r} applies to string prompts "
+            "only: set dataset.prompt_template='{prompt}' (the messages go through the chat template as they are)"
+        )
 
 
 def _answer(column: str, value: Any) -> str:

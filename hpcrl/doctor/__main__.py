@@ -1,15 +1,19 @@
-"""``python -m hpcrl.doctor [--job-prefix P] [--job-timeout-s S] [overrides ...]``: preflight a cluster.
+"""``python -m hpcrl.doctor [--job-prefix P] [--job-timeout-s S] [--config-dir DIR] [overrides]``: preflight a cluster.
 
-Takes the overrides ``python -m hpcrl.main`` would get and prints one line per check
-(``ok|warn|fail|skip  <check>: <what was found>; <what to do>``); exits 1 when any check fails.
+Takes the overrides ``python -m hpcrl.main`` would get (and its ``--config-dir``) and prints one line per check
+(``ok|warn|fail|skip  <check>: <what was found>; <what to do>``); exits 1 when any check fails. A config that
+``python -m hpcrl.main`` would refuse is refused the same way, before any check: one line, exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from hpcrl.doctor.checks import Options, run_checks
+from hpcrl.config.errors import ConfigError
+from hpcrl.config.hydra import exit_on_config_error
+from hpcrl.doctor.checks import Options, load_config, run_checks
 from hpcrl.doctor.report import exit_code
 from hpcrl.launch.process import ChildGroup
 from hpcrl.logs import setup_logging
@@ -24,6 +28,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--job-timeout-s", type=float, default=defaults.job_timeout_s, help="deadline of the probe jobs, queue included"
     )
     parser.add_argument("--python", default=defaults.python, help="the interpreter the probe jobs run")
+    parser.add_argument(
+        "--config-dir", "-cd", type=Path, action="append", default=[], help="a directory of config groups of your own"
+    )
     return parser.parse_intermixed_args(argv)  # options may come after the overrides
 
 
@@ -31,11 +38,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     options = Options(args.job_prefix, args.job_timeout_s, args.python)
     setup_logging("doctor", 0, "WARNING")  # hpcrl's own warnings (e.g. about the port range), as a run logs them
+    try:
+        cfg = load_config(args.overrides, args.config_dir)
+    except ConfigError as e:
+        exit_on_config_error(e)
     results = []
     # SIGTERM and Ctrl-C become exceptions, so the probe jobs are cancelled on the way out
     try:
         with ChildGroup():
-            for result in run_checks(args.overrides, options):
+            for result in run_checks(cfg, options):
                 print(result.line(), flush=True)
                 results.append(result)
     except KeyboardInterrupt:

@@ -1,7 +1,7 @@
 """The doctor's checks in order, from the overrides a run would get to one ``Result`` per line.
 
-    overrides -> load_config (expand the allocation shorthand, check the keys, compose, to_config: as
-                 ``hpcrl.main`` and ``hpcrl.sbatch`` do) -> a config line; a bad config stops here
+    overrides -> load_config (as ``hpcrl.main`` and ``hpcrl.sbatch`` check them: ``compose_config``) -> a config
+                 line; a bad config stops here (``python -m hpcrl.doctor`` exits 2 with hpcrl.main's one line)
     local       run root, address, ports, setup timeouts                        (local.py)
     kind=local  the GPU checks on this machine, or why they do not apply        (gpu.py)
     kind=slurm  sbatch --test-only of every job                                 (testonly.py)
@@ -13,8 +13,9 @@ Results are yielded as they are made, so a slow Slurm check does not hold back t
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from hpcrl.config import ConfigError, format_spec
 from hpcrl.config.hydra import compose_config
@@ -33,19 +34,23 @@ class Options:
     python: str = sys.executable  # the interpreter the probe jobs run
 
 
-def load_config(overrides: list[str]) -> Config:
-    """The validated config ``python -m hpcrl.main OVERRIDES`` would run; ConfigError for a bad one."""
-    return compose_config(overrides)
+def load_config(overrides: list[str], config_dirs: Sequence[Path] = ()) -> Config:
+    """The checked config ``python -m hpcrl.main [--config-dir DIR] OVERRIDES`` would run; ConfigError for a bad one."""
+    return compose_config(overrides, config_dirs=[d.expanduser().absolute() for d in config_dirs])
 
 
-def run_checks(overrides: list[str], options: Options) -> Iterator[Result]:
-    try:
-        cfg = load_config(overrides)
-    except ConfigError as e:
-        text = " ".join(str(e).split())  # Hydra's messages span lines
-        advice = "fix that value (docs/config.md lists every field); the other checks need a valid config"
-        yield fail("config", text, advice)
-        return
+def run_checks(config: Config | list[str], options: Options) -> Iterator[Result]:
+    """The checks of a config, or of the one ``overrides`` make (a bad one: a failed config line, and no more)."""
+    if isinstance(config, Config):
+        cfg = config
+    else:
+        try:
+            cfg = load_config(config)
+        except ConfigError as e:
+            text = " ".join(str(e).split())  # Hydra's messages span lines
+            advice = "fix that value (docs/config.md lists every field); the other checks need a valid config"
+            yield fail("config", text, advice)
+            return
     c = cfg.cluster
     spec = format_spec(cfg.allocation.roles())
     yield ok("config", f"valid: allocation {spec} on cluster {c.name} ({c.kind}), run root {run_root(cfg)}")

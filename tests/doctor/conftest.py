@@ -43,8 +43,11 @@ def run_doctor(*args: str, timeout_s: float = 180) -> Doctor:
 
 @pytest.fixture
 def weights(tmp_path):
-    """A model directory holding 1 MB of weights: enough to size, nothing to load."""
+    """A model directory holding 1 MB of weights, a config and a tokenizer file: enough to pass the config's check
+    of the directory (hpcrl/config/preflight.py) and to size, nothing to load."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "model.safetensors").write_bytes(b"\0" * 1_000_000)
+    (model / "config.json").write_text("{}")
+    (model / "tokenizer.json").write_text("{}")
     return model

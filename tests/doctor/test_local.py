@@ -25,13 +25,15 @@ def test_the_doctor_passes_on_the_local_cluster(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the doctor leaves nothing in the run root
 
 
-def test_a_bad_config_is_a_failed_line_not_a_traceback(tmp_path):
+def test_a_bad_config_is_hpcrl_mains_one_line_and_exit_code_2(tmp_path):
     doctor = run_doctor("allocation.trainer.workers=0", f"run.root={tmp_path}")
-    assert doctor.returncode == 1
-    assert doctor.lines["config"].startswith("fail  config: allocation.trainer.workers=0 is invalid: expected")
-    assert "Traceback" not in doctor.stderr
+    assert doctor.returncode == 2 and doctor.stdout == ""
+    expected = "hpcrl: config error: allocation.trainer.workers=0 is invalid: expected an integer >= 1"
+    assert doctor.stderr.strip() == expected
+    # in-process, run_checks still reports a bad config as its failed first line
     unknown = checks("cluster=no_such_site")["config"]
-    assert unknown.status == "fail" and "cluster/no_such_site" in unknown.found
+    assert unknown.status == "fail"
+    assert "cluster='no_such_site' is invalid: expected an option of cluster" in unknown.found
 
 
 def test_an_unwritable_run_root_fails_with_advice(tmp_path):

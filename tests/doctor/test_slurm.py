@@ -65,7 +65,8 @@ def test_a_partition_that_does_not_exist_fails_every_sbatch_line(slurm_cluster, 
 )
 def test_a_broken_setting_fails_its_line_on_slurm_too(slurm_cluster, job_prefix, tmp_path, check, overrides):
     (tmp_path / "a_file").write_text("")
-    (tmp_path / "model.safetensors").write_bytes(b"\0" * 1000)
+    for name, data in (("model.safetensors", b"\0" * 1000), ("config.json", b"{}"), ("tokenizer.json", b"{}")):
+        (tmp_path / name).write_bytes(data)  # a model directory as the config's check wants it
     args = [o.format(tmp=tmp_path) for o in overrides]
     doctor = run_doctor("cluster=slurm_local", f"run.root={tmp_path}/runs", *args, "--job-prefix", job_prefix)
     assert doctor.returncode == 1

@@ -331,20 +331,31 @@ def test_a_failing_controller_job_fails_the_command_with_its_error(request, laun
     else:
         where = []
     exp = experiment(job_prefix)
-    missing = tmp_path / "missing.jsonl"  # checked when the job loads the data, not before it is submitted
+    # a reward module that raises when it is imported: the job finds it as it starts its reward pool, after the
+    # config was checked and the job submitted (a missing model directory or data file is refused before that)
+    (tmp_path / "broken_reward.py").write_text('raise RuntimeError("this reward module is broken")\n')
     result = submit(
         tmp_path,
         f"hydra/launcher={launcher}",
         *where,
         f"run.experiment={exp}",
         "run.trial=fail",
-        "dataset=files",
-        f"dataset.train_files=[{missing}]",
+        "reward.fn=broken_reward:score",
         timeout_s=DRY_RUN_TIMEOUT_S,
     )
     assert result.returncode != 0
-    assert f"hpcrl: the run failed (DataError): {missing}: does not exist" in result.stderr, result.stderr[-4000:]
-    folder = job_folder(tmp_path / exp / "fail")  # the sweep directory; the job's run directory is fail/0
+    error = (
+        "hpcrl: the run failed (RewardSpecError): reward function 'broken_reward:score': cannot import module "
+        "'broken_reward': RuntimeError: this reward module is broken"
+    )
+    assert error in result.stderr, result.stderr[-4000:]
+    sweep = tmp_path / exp / "fail"
+    assert f"hpcrl: each job of this sweep runs in {sweep}/<job number>/" in result.stderr  # said before submitting
+    # after submitit's report (the job's whole stderr), the job's own last lines: its error is the last of them
+    tail = result.stderr[result.stderr.rindex("hpcrl: the controller job failed") :].splitlines()
+    assert "the last lines of its stderr" in tail[0] and "_log.err" in tail[0], tail
+    assert tail[-1].strip().startswith(error), tail
+    folder = job_folder(sweep)  # the sweep directory; the job's run directory is fail/0
     if launcher == "submitit_slurm":
         rows = wait_for_job(folder.name)
         assert rows[folder.name]["State"] == "FAILED", rows

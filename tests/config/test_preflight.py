@@ -1,0 +1,96 @@
+"""What a config names outside itself is checked before anything starts: a model directory without a config, a
+tokenizer or weights, and a data file that is not there, fail the dry run, the doctor and the run itself in one
+line (exit 2), before a run directory is made or a worker started."""
+
+import shutil
+
+import pytest
+
+from hpcrl.config import ConfigError
+from hpcrl.config.preflight import check_model_dir
+from tests.config.test_options import one_error_line, run_module
+from tests.conftest import run_main
+
+
+def started_nothing(runs) -> bool:
+    """Nothing of a run in ``runs`` but Hydra's own record of the command (``.hydra/``): no config.yaml, no logs,
+    no registry, so no worker."""
+    return not [p for p in runs.rglob("*") if p.is_file() and ".hydra" not in p.parts]
+
+
+def broken_models(tiny_model, tmp_path):
+    """(a broken copy of the tiny model, what the error says is missing)."""
+    cases = []
+    for name, remove, missing in [
+        ("no_config", ["config.json"], "has no config.json"),
+        ("no_tokenizer", ["tokenizer.json"], "has no a tokenizer (tokenizer.json or tokenizer.model"),
+        ("no_weights", ["model.safetensors"], "has no weights (*.safetensors or *.bin)"),
+    ]:
+        copy = tmp_path / name
+        shutil.copytree(tiny_model, copy)
+        for file in remove:
+            (copy / file).unlink()
+        cases.append((copy, missing))
+    cases.append((tmp_path / "nowhere", "does not exist"))
+    (tmp_path / "a_file").write_text("")
+    cases.append((tmp_path / "a_file", "is not a directory"))
+    return cases
+
+
+def test_a_model_directory_needs_a_config_a_tokenizer_and_weights(tiny_model, tmp_path):
+    check_model_dir(str(tiny_model))  # the real thing passes
+    for path, missing in broken_models(tiny_model, tmp_path):
+        with pytest.raises(ConfigError) as err:
+            check_model_dir(str(path))
+        assert err.value.path == "model.path" and missing in err.value.expected, (path, err.value)
+
+
+@pytest.mark.parametrize("how", ["dry run", "run", "doctor"])
+def test_a_bad_model_path_fails_before_anything_starts(tiny_model, tmp_path, how):
+    (path, missing), *_ = broken_models(tiny_model, tmp_path)  # no config.json
+    runs = tmp_path / "runs"
+    overrides = [f"model.path={path}", "run.trial=t", f"run.root={runs}"]
+    if how == "doctor":
+        result = run_module("hpcrl.doctor", *overrides)
+    else:
+        result = run_main(*overrides, *(["run.dry_run=true"] if how == "dry run" else []), cwd=tmp_path)
+    line = one_error_line(result)
+    assert line.startswith(f"hpcrl: config error: model.path='{path}' is invalid: expected a Hugging Face model")
+    assert missing in line
+    assert started_nothing(runs)
+
+
+@pytest.mark.parametrize("how", ["dry run", "run", "doctor", "sbatch"])
+def test_a_missing_data_file_fails_before_anything_starts(tmp_path, how):
+    runs = tmp_path / "runs"
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"question": "1+1?", "answer": "2"}\n')
+    missing = tmp_path / "test.jsonl"
+    overrides = ["experiment=gsm8k", f"dataset.train_files=[{train}]", f"dataset.eval_files=[{missing}]"]
+    overrides += ["run.trial=t", f"run.root={runs}"]
+    if how == "doctor":
+        result = run_module("hpcrl.doctor", *overrides)
+    elif how == "sbatch":
+        result = run_module("hpcrl.sbatch", "controller", "cluster=slurm", *overrides, "--dry-run")
+    else:
+        result = run_main(*overrides, *(["run.dry_run=true"] if how == "dry run" else []), cwd=tmp_path)
+    line = one_error_line(result)
+    expected = f"dataset.eval_files=['{missing}'] is invalid: expected local data files: {missing} does not exist"
+    assert line == f"hpcrl: config error: {expected} (resolved to {missing})"
+    assert started_nothing(runs)
+
+
+def test_a_data_file_of_another_kind_is_named(tmp_path):
+    data = tmp_path / "train.csv"
+    data.write_text("question,answer\n")
+    result = run_main("dataset=files", f"dataset.train_files=[{data}]", "run.dry_run=true", cwd=tmp_path)
+    assert f"expected local .jsonl, .json, .parquet files: {data} has another extension" in one_error_line(result)
+
+
+def test_the_multirun_launcher_checks_before_it_submits(tmp_path):
+    missing = tmp_path / "nowhere"
+    result = run_main(
+        "-m", "hydra/launcher=submitit_local", f"model.path={missing}", f"run.root={tmp_path}", cwd=tmp_path
+    )
+    assert "model.path=" in one_error_line(result) and "does not exist" in result.stderr
+    assert not list(tmp_path.rglob(".submitit")), "no job may be submitted"
