@@ -12,8 +12,8 @@ so the template may use any column of the row; ``{prompt}`` is always the prompt
 A prompt may also be a conversation, a list of ``{"role": ..., "content": ...}`` messages (chat format): such
 a row's messages go, as JSON text, in a ``messages`` column (``""`` for the string prompts beside them), and
 ``hpcrl.data.chat.render_prompts`` turns them into the prompt text with the tokenizer's chat template, once the
-model is known. ``prompt_template`` applies to string prompts only: with a chat-format row it must be
-``{prompt}``.
+model is known. There ``prompt_template`` applies to the content of the conversation's last user message
+(``{prompt}``), which is where the question is.
 
 Checked, with an error naming the file, the 0-based row (and for ``.jsonl`` the 1-based line) and the
 column: a column that is missing or null, a prompt that is not a string, an answer that is not a
@@ -77,9 +77,8 @@ def load_rows(
                 prompt = _prompt(prompt_column, row[prompt_column])
                 answers.append(_answer(answer_column, row[answer_column]))
                 if isinstance(prompt, list):
-                    _template_is_plain(prompt_template)
                     prompts.append("")
-                    messages.append(json.dumps(prompt))
+                    messages.append(json.dumps(_template_last_user(prompt_template, prompt, row)))
                 else:
                     prompts.append(_apply(prompt_template, {**row, "prompt": prompt}))
                     messages.append("")
@@ -234,12 +233,17 @@ def _prompt(column: str, value: Any) -> str | list[dict[str, str]]:
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
-def _template_is_plain(template: str) -> None:
-    if template != "{prompt}":
-        raise _BadRow(
-            f"the prompt is a list of messages, and dataset.prompt_template={template!r} applies to string prompts "
-            "only: set dataset.prompt_template='{prompt}' (the messages go through the chat template as they are)"
-        )
+def _template_last_user(template: str, messages: list[dict[str, str]], row: dict[str, Any]) -> list[dict[str, str]]:
+    """The conversation with ``template`` applied to its last user message (``{prompt}`` is that message)."""
+    if template == "{prompt}":
+        return messages
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if not users:
+        why = "applies to a conversation's last user message, and this one has none"
+        raise _BadRow(f"dataset.prompt_template={template!r} {why}")
+    last = users[-1]
+    content = _apply(template, {**row, "prompt": messages[last]["content"]})
+    return [*messages[:last], {**messages[last], "content": content}, *messages[last + 1 :]]
 
 
 def _answer(column: str, value: Any) -> str:

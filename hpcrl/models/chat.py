@@ -94,11 +94,27 @@ def make_chat_model(
     tokenizer of ``tokenizer_vocab`` tokens to ``out_dir``; the model's embedding has ``vocab_size`` rows when the
     shape names one (more than the tokenizer uses, as Qwen2's has), else one per token."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = train_tokenizer(tokenizer_vocab)
+    config = shape_config(shape, tokenizer, max_positions)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def shape_config(shape: str, tokenizer: Any, max_positions: int = 4096) -> Any:
+    """The ``Qwen2Config`` of ``SHAPES[shape]`` for ``tokenizer`` (its special tokens, at least its vocabulary)."""
+    from transformers import Qwen2Config
 
     dims = SHAPES[shape]
-    tokenizer = train_tokenizer(tokenizer_vocab)
-    config = Qwen2Config(
+    return Qwen2Config(
         vocab_size=max(dims.get("vocab_size", 0), len(tokenizer)),
         hidden_size=dims["hidden_size"],
         num_hidden_layers=dims["num_layers"],
@@ -112,23 +128,17 @@ def make_chat_model(
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
     )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
 
 
-def parameter_count(model_dir: str | Path) -> int:
-    """Parameters of the model in ``model_dir`` (tied embeddings counted once), from its config, without loading it."""
+def parameter_count(model_dir_or_config: str | Path | Any) -> int:
+    """Parameters of a model (tied embeddings counted once), from its directory's config or a config, on the meta
+    device: nothing is allocated."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_dir)
+    config = model_dir_or_config
+    if isinstance(config, (str, Path)):
+        config = AutoConfig.from_pretrained(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return sum(p.numel() for p in model.parameters())
@@ -144,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args(argv)
     out = make_chat_model(args.out_dir, args.shape, args.tokenizer_vocab, args.max_positions, args.seed, args.dtype)
-    print(f"{out} ({parameter_count(out) / 1e6:.0f}M parameters)")
+    print(f"{out} ({parameter_count(out) / 1e6:.2f}M parameters)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,90 @@
+"""The trained model at the end, and a run that can be followed: ``<run dir>/final/`` in Hugging Face layout, which
+``AutoModelForCausalLM`` loads and which generates what the last evaluation measured (its greedy accuracy on the
+held-out rows is the summary's ``eval_accuracy_after``); ``export.every_steps`` keeps the model of earlier steps;
+the controller's log has a line per step and per evaluation."""
+
+import re
+
+import pytest
+
+from hpcrl.data import make_mod10
+from hpcrl.reward.builtin import mod10
+from tests.controller.test_job import metrics_of, run_job, summary_of
+
+STEPS, EVAL_SIZE = 6, 100
+
+
+def greedy_accuracy_of(model_dir, rows) -> float:
+    """Greedy completions of ``rows``' prompts by the model in ``model_dir``, scored by the task's reward, as the
+    run's evaluation does (two new tokens, the end-of-sequence token and padding dropped)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.models.tokenizer import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = load_tokenizer(model_dir)
+    scores = []
+    with torch.no_grad():
+        for row in rows:
+            ids = tokenizer(row["prompt"], add_special_tokens=False, return_tensors="pt")["input_ids"]
+            out = model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            completion = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+            scores.append(mod10(row["prompt"], completion, row["answer"]))
+    return sum(scores) / len(scores)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A short default job that exports every 2 steps: (summary, run directory)."""
+    tmp = tmp_path_factory.mktemp("final")
+    overrides = ["run.trial=final", f"run.max_steps={STEPS}", "eval.every_steps=3", "eval.stop_at_accuracy=0"]
+    overrides += [f"dataset.eval_size={EVAL_SIZE}", "rollout.prompts_per_step=32", "export.every_steps=2"]
+    result = run_job(tmp, *overrides)
+    return summary_of(result), tmp / "default" / "final"
+
+
+@pytest.mark.slow
+def test_the_final_model_generates_what_the_last_evaluation_measured(finished):
+    summary, run_dir = finished
+    assert summary["final_model"] == str(run_dir / "final")
+    held_out = list(make_mod10(2000, EVAL_SIZE, 0)[1])  # the run's held-out rows: dataset.train_size, run.seed
+    assert greedy_accuracy_of(run_dir / "final", held_out) == summary["eval_accuracy_after"]
+    # the same measure of the untrained model gives the accuracy before, and differs: the export is the trained one
+    assert greedy_accuracy_of(run_dir / "model", held_out) == summary["eval_accuracy_before"]
+    assert summary["eval_accuracy_after"] != summary["eval_accuracy_before"]
+
+
+@pytest.mark.slow
+def test_intermediate_exports_are_the_model_of_their_step(finished):
+    from safetensors.torch import load_file
+
+    _, run_dir = finished
+    exports = run_dir / "exports"
+    assert sorted(p.name for p in exports.iterdir()) == ["step_000002", "step_000004", "step_000006"]
+    final = load_file(run_dir / "final" / "model.safetensors")
+    last = load_file(exports / "step_000006" / "model.safetensors")
+    earlier = load_file(exports / "step_000002" / "model.safetensors")
+    assert final.keys() == last.keys() == earlier.keys()
+    assert all((final[k] == last[k]).all() for k in final), "the last step's export is the final model"
+    assert any((final[k] != earlier[k]).any() for k in final), "step 2's export is step 2's model"
+    for export in (run_dir / "final", exports / "step_000002"):
+        assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in export.iterdir()}
+    assert all("time_export_s" in m for m in metrics_of(run_dir) if m["step"] % 2 == 0)
+
+
+@pytest.mark.slow
+def test_the_controller_log_has_a_line_per_step_and_per_evaluation(finished):
+    summary, run_dir = finished
+    log = (run_dir / "logs" / "controller-0.log").read_text()
+    metrics = {m["step"]: m for m in metrics_of(run_dir)}
+    steps = re.findall(r"step (\d+): reward ([\d.]+)(?:, accuracy ([\d.]+))?.*?, ([\d.]+) s, staleness", log)
+    assert [int(s[0]) for s in steps] == list(range(1, STEPS + 1))
+    for step, reward, accuracy, seconds in steps:
+        m = metrics[int(step)]
+        assert float(reward) == pytest.approx(m["reward_mean"], abs=5e-4)
+        assert float(seconds) == pytest.approx(m["time_step_s"], abs=5e-3)
+        assert (accuracy != "") == ("eval_accuracy" in m)
+    evaluations = re.findall(r"evaluation at step (\d+): held-out greedy accuracy ([\d.]+)", log)
+    assert [int(s) for s, _ in evaluations] == [3, 6]
+    assert float(evaluations[-1][1]) == pytest.approx(summary["eval_accuracy_after"], abs=5e-4)

@@ -1,0 +1,62 @@
+"""hpcrl installs as a package: the wheel holds every config group (``hpcrl/conf``, the one copy; ``conf/`` in the
+repository links to it), and ``python -m hpcrl.main`` run from another directory finds them in the installed
+package, not in a checkout."""
+
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import yaml
+
+from tests.conftest import CONF_DIR, REPO
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wheel")
+    cmd = [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300, cwd=out)
+    (built,) = out.glob("hpcrl-*.whl")
+    return built
+
+
+def test_conf_at_the_top_is_a_link_to_the_package_configs():
+    assert (REPO / "conf").is_symlink() and (REPO / "conf").resolve() == CONF_DIR.resolve()
+
+
+def test_the_wheel_holds_every_config_group_as_it_is_in_the_tree(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        shipped = {name: z.read(name) for name in z.namelist() if name.startswith("hpcrl/conf/")}
+    expected = {f"hpcrl/conf/{p.relative_to(CONF_DIR)}": p.read_bytes() for p in CONF_DIR.rglob("*.yaml")}
+    assert shipped == expected
+    assert "hpcrl/conf/config.yaml" in shipped and "hpcrl/conf/hydra/launcher/submitit_slurm.yaml" in shipped
+
+
+def test_the_installed_package_runs_from_another_directory(wheel, tmp_path):
+    target = tmp_path / "site"
+    install = [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)]
+    subprocess.run(install, check=True, capture_output=True, text=True, timeout=300)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    # the installed copy comes first on the path (the checkout's editable install is found after it)
+    env = {**os.environ, "PYTHONPATH": str(target), "HYDRA_FULL_ERROR": "0"}
+    where = subprocess.run(
+        [sys.executable, "-c", "import hpcrl; print(hpcrl.__file__)"], cwd=elsewhere, env=env, capture_output=True,
+        text=True, check=True,
+    )  # fmt: skip
+    assert where.stdout.strip() == str(target / "hpcrl" / "__init__.py")
+    args = ["experiment=gsm8k", "dataset.train_files=[t.jsonl]", "run.dry_run=true", f"run.root={tmp_path / 'runs'}"]
+    (elsewhere / "t.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')
+    result = subprocess.run(
+        [sys.executable, "-m", "hpcrl.main", *args], cwd=elsewhere, env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(result.stdout)["reward"]["fn"] == "hpcrl.reward.builtin:math_verify_reward"
+    misspelled = subprocess.run(
+        [sys.executable, "-m", "hpcrl.main", "experiment=gsm8"], cwd=elsewhere, env=env, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert misspelled.returncode == 2 and "did you mean 'gsm8k'?" in misspelled.stderr
