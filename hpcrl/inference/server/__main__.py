@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 
+from hpcrl.inference.openai.chat import TOOL_PARSERS, resolve_template
 from hpcrl.logs import setup_logging
 
 log = logging.getLogger("hpcrl.inference.server")
@@ -31,12 +32,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--allow-auto-truncate", action="store_true", help="cut requests over the context length instead of a 400"
     )
+    p.add_argument("--chat-template", default="", help="the OpenAI chat routes' template: a .jinja file or tiny_tools")
+    p.add_argument(
+        "--tool-call-parser", default="none", choices=TOOL_PARSERS, help="how chat answers' tool calls are read"
+    )
+    p.add_argument("--served-model-name", default="", help="the model's name on /v1 routes; default: the model path")
     p.add_argument("--rank", default=os.environ.get("HPCRL_RANK", "0"), help="worker rank, for log lines")
     args = p.parse_args(argv)
     if args.tp_size < 1:
         p.error(f"--tp-size must be >= 1, got {args.tp_size}")
     if args.context_length < 0:
         p.error(f"--context-length must be >= 0, got {args.context_length}")
+    try:
+        resolve_template(args.chat_template)
+    except ValueError as e:
+        p.error(f"--chat-template: {e}")
     return args
 
 
@@ -46,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     from aiohttp import web
 
     from hpcrl.inference.context import context_length
+    from hpcrl.inference.openai.chat import ChatFormat
     from hpcrl.inference.server.app import Server
     from hpcrl.inference.server.runner import ModelRunner
     from hpcrl.inference.server.scheduler import Scheduler
@@ -57,7 +68,16 @@ def main(argv: list[str] | None = None) -> None:
     scheduler = Scheduler(runner, args.max_running_requests, args.batch_wait_ms)
     scheduler.weight_version = args.weight_version
     context = args.context_length or context_length(args.model_path)
-    server = Server(runner, scheduler, WeightUpdates(runner, scheduler, tp), context, args.allow_auto_truncate)
+    chat = ChatFormat(runner.tokenizer, args.chat_template, args.tool_call_parser)
+    server = Server(
+        runner,
+        scheduler,
+        WeightUpdates(runner, scheduler, tp),
+        context,
+        args.allow_auto_truncate,
+        chat=chat,
+        served_model_name=args.served_model_name,
+    )
     log.info(
         "serving %s on %s port %d (tp_size %d, context length %d)",
         args.model_path,

@@ -1,7 +1,8 @@
 """The CPU server's HTTP routes: the subset of SGLang 0.5.23's API that hpcrl uses, as strictly as SGLang.
 
-Generation, health, pause and the cache are here; the weight-update endpoints in ``weights.py``. What
-SGLang does and this server does too (facts in ../shared/reference/sglang-http-api.md):
+Generation, health, pause and the cache are here; the weight-update endpoints in ``weights.py``, the
+OpenAI-compatible ones (``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``) in
+``openai_routes.py``. What SGLang does and this server does too (facts in ../shared/reference/sglang-http-api.md):
 
 - ``/generate``: a prompt of the context length or longer, or prompt + ``max_new_tokens`` over it, is a
   400 with SGLang's message (``--allow-auto-truncate``: the prompt is cut, then ``max_new_tokens``);
@@ -24,7 +25,9 @@ from typing import Any
 from aiohttp import web
 
 from hpcrl.inference.context import fit
+from hpcrl.inference.openai.chat import ChatFormat
 from hpcrl.inference.server import requests
+from hpcrl.inference.server.openai_routes import OpenAIRoutes
 from hpcrl.inference.server.protocol import Prompt, parse_generate, response
 from hpcrl.inference.server.requests import read_body
 from hpcrl.inference.server.runner import ModelRunner
@@ -51,10 +54,13 @@ class Server:
         weights: WeightUpdates,
         context_length: int,
         allow_auto_truncate: bool = False,
+        chat: ChatFormat | None = None,  # the OpenAI routes' chat template and tool-call parser
+        served_model_name: str = "",  # the model's name on the OpenAI routes; "" = the model path, as SGLang's
     ):
         self.runner, self.scheduler, self.weights = runner, scheduler, weights
         self.context_length = context_length
         self.allow_auto_truncate = allow_auto_truncate
+        self.openai = OpenAIRoutes(self, chat or ChatFormat(runner.tokenizer, tool_parser="none"), served_model_name)
         self.loop_task: asyncio.Task | None = None
 
     def app(self) -> web.Application:
@@ -73,6 +79,7 @@ class Server:
                 post("/continue_generation", self.resume),
                 post("/abort_request", self.abort),
                 *self.weights.routes(),
+                *self.openai.routes(),
             ]
         )
         app.on_startup.append(self._start_loop)
