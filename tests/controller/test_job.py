@@ -154,28 +154,3 @@ def test_a_killed_trainer_rank_fails_the_run_fast_and_leaves_nothing(tmp_path):
     assert "trainer worker 1" in stderr, stderr[-3000:]
     time.sleep(1)
     assert not processes_of(str(run_dir)), "no process of the run may be left alive"
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("overrides", "metric"),
-    [
-        (["algorithm=ppo"], "kl"),  # a KL penalty to the frozen reference policy
-        (["algorithm=dapo", "checkpoint.every_steps=2"], "clip_frac"),
-        (["algorithm=dr_grpo", "train.weight_sync=distributed"], "clip_frac"),
-        (["algorithm.behavior_weight_cap=5", "rollout.max_staleness=1"], "behavior_weight_mean"),
-    ],
-    ids=["ppo", "dapo", "dr_grpo-distributed-sync", "decoupled-async"],
-)
-def test_every_algorithm_runs_end_to_end(tmp_path, overrides, metric):
-    trial = "algo"
-    common = [f"run.trial={trial}", "run.max_steps=3", "eval.stop_at_accuracy=0", "rollout.prompts_per_step=16"]
-    summary = summary_of(run_job(tmp_path, *common, *overrides))
-    assert summary["steps"] == 3
-    rows = metrics_of(tmp_path / "default" / trial)
-    assert all(metric in r for r in rows), rows[0]
-    if "checkpoint.every_steps=2" in overrides:
-        checkpoints = tmp_path / "default" / trial / "checkpoints"
-        assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_000002"]
-        assert (checkpoints / "step_000002" / "trainer_state.json").is_file()
-        assert (checkpoints / "step_000002" / "controller.json").is_file()

@@ -14,7 +14,7 @@ from tests.controller.test_job import metrics_of, run_job, summary_of
 PRESETS = {
     "grpo": (["algorithm=grpo"], 110),
     "dr_grpo": (["algorithm=dr_grpo"], 100),
-    "dapo": (["algorithm=dapo"], 90),
+    "dapo": (["algorithm=dapo", "checkpoint.every_steps=20"], 90),
     "ppo": (["algorithm=ppo"], 150),
     "decoupled-ppo-staleness-2": (["algorithm.behavior_weight_cap=5", "rollout.max_staleness=2"], 120),
 }
@@ -31,6 +31,14 @@ def test_each_algorithm_takes_held_out_accuracy_from_below_03_to_08(tmp_path, pr
     rows = metrics_of(tmp_path / "default" / preset)
     accuracy = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r]
     assert accuracy[-1] >= 0.8 and all(a < 0.8 for a in accuracy[:-1]), "it stopped at the first eval at 0.8"
+    if preset == "ppo":  # its KL term to the frozen reference policy, reported every step
+        assert all("kl" in r for r in rows)
+    if preset == "dapo":  # checkpoints as it goes: the newest complete ones, trainer state and controller's
+        checkpoints = tmp_path / "default" / preset / "checkpoints"
+        kept = sorted(p.name for p in checkpoints.iterdir() if p.name != "latest")
+        assert kept and (checkpoints / kept[-1] / "trainer_state.json").is_file(), kept
+        assert (checkpoints / kept[-1] / "controller.json").is_file()
+        assert (checkpoints / "latest").read_text().strip() == kept[-1]
     if "rollout.max_staleness=2" in overrides:
         assert max(r["staleness_max"] for r in rows) == 2, "the rollout ran two versions ahead"
         assert all("behavior_weight_mean" in r for r in rows)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm.conftest import wait_for_job
+from tests.slurm.conftest import release_when_requeued, wait_for_job
 from tests.slurm.test_controller_job import experiment, job_folder
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -36,6 +36,7 @@ def signal_after_steps(job_id: str, run_dir: Path, steps: int, alive, batch: boo
     # as Slurm does before the time limit: to the job's steps (submitit's --signal=USR2@N, the controller runs
     # in an srun step), or to the batch script (the hand-submitted script's B:USR2@N: it exec'd the controller)
     subprocess.run(["scancel", "--signal=USR2", *(["--batch"] if batch else []), job_id], check=True, timeout=30)
+    release_when_requeued(job_id)  # the requeued job starts at once, not after Slurm's fixed 2-minute hold
 
 
 def check_resumed(run_dir: Path, summary: dict) -> None:
