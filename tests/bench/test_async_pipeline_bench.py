@@ -24,9 +24,9 @@ def test_the_bound_takes_the_longer_stage_of_each_step():
 
 
 @pytest.mark.slow
-def test_async_pipeline_bench_runs_three_jobs_and_prints_its_table(run_bench):
-    out = run_bench("async_pipeline")
+def test_async_pipeline_bench_runs_its_jobs_and_prints_its_table(run_bench):
+    out = run_bench("async_pipeline", "--staleness", "0", "1")  # two jobs of the three it runs by default
     rows = assert_table(out, "job", "steps s", "/ pipeline bound")
-    assert [r[0] for r in rows[:3]] == ["max_staleness=0", "max_staleness=1", "max_staleness=2"]
+    assert [r[0] for r in rows[:2]] == ["max_staleness=0", "max_staleness=1"]
     assert rows[0][3] == "1"  # sync / sync
     assert "/ pipeline bound =" in out
