@@ -18,7 +18,8 @@ Start-up; a failure exits non-zero with the reason on stderr, which the schedule
    the controller would, and check that every server answers /health;
 4. serve RPC on a port of its own slot (``PortSlots`` role ``rollout``: ``HPCRL_PORT_SLOT_BASE`` + rank, so
    workers started at the same moment never pick the same port), then register ``host:port``: registered
-   means ready.
+   means ready. A plug-in workflow's per-episode OpenAI proxy (``hpcrl/rollout/proxy``) takes a port of the
+   same slot, on the loopback address of the advertised family, when the first episode comes.
 
 Threads: the main thread's event loop owns the inference client, the workflow and the ``resumed`` event.
 The RPC server runs its own loop on a thread and hands every ``run_episode`` to the main loop, so any
@@ -38,7 +39,7 @@ no heartbeat for ``cluster.worker_lease_s`` it SIGTERMs itself.
 
 Exit: the ``shutdown`` RPC (exit 0) or SIGTERM / SIGINT (exit 128 + the signal): unregister, stop serving
 (requests in flight get the server's shutdown grace), cancel the episodes still running, close the
-client and end the reward processes by PID.
+workflow (a plug-in's proxy) and the client, and end the reward processes by PID.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ from hpcrl.rundir import RunDir
 
 if TYPE_CHECKING:
     from hpcrl.inference.client import InferenceClient
+    from hpcrl.net import PortAllocator
 
 log = logging.getLogger("hpcrl.rollout.episode_worker")
 
@@ -144,20 +146,26 @@ async def serve(
     """Serve episodes until ``shutdown`` or a signal; returns the exit status."""
     from hpcrl.inference.client import InferenceClient
     from hpcrl.inference.options import client_options
-    from hpcrl.rollout.workflows import make_workflow
+    from hpcrl.rollout.proxy.server import loopback
+    from hpcrl.rollout.workflows import close_workflow, make_workflow
 
     signals = _catch_signals()
     resumed = asyncio.Event()
     resumed.set()
+    advertised, _ = worker_addresses(cfg.cluster.net)
+    ports = worker_ports(port_range(cfg.cluster.net))  # this worker's slice: RPC, lease, a plug-in's proxy
     try:
         # the controller's settings: deadlines, the context check before sending, the servers' tp size
         async with InferenceClient(servers, **client_options(cfg)) as client:
             poll_s = cfg.inference.health_poll_s
             await client.wait_healthy(setup_timeout(cfg), check_alive=lambda: _check(signals), poll_s=poll_s)
-            workflow = make_workflow(cfg, client, tokenizer, rewards, resumed)
+            workflow = make_workflow(cfg, client, tokenizer, rewards, resumed, host=loopback(advertised), ports=ports)
             service = EpisodeService(workflow, client, resumed, asyncio.get_running_loop(), rank)
             service.lease = lease
-            await _serve_registered(cfg, run_dir, rank, token, service, signals)
+            try:
+                await _serve_registered(cfg, run_dir, rank, token, service, signals, ports)
+            finally:
+                await close_workflow(workflow)
             log.info("stopped after %d episodes", service.served)
     except _Stopped as e:
         log.info("%s while starting", e)
@@ -165,10 +173,16 @@ async def serve(
 
 
 async def _serve_registered(
-    cfg: Config, run_dir: RunDir, rank: int, token: str, service: EpisodeService, signals: list[int]
+    cfg: Config,
+    run_dir: RunDir,
+    rank: int,
+    token: str,
+    service: EpisodeService,
+    signals: list[int],
+    ports: PortAllocator,
 ) -> None:
     advertised, bind = worker_addresses(cfg.cluster.net)
-    port, lease_port = worker_ports(port_range(cfg.cluster.net)).allocate(2)
+    port, lease_port = ports.allocate(2)
     server = RpcServer(service.handlers(), token, rank, host=bind, port=port, advertise_host=advertised)
     server.start_in_thread()
     lease = service.lease

@@ -1,7 +1,25 @@
 """What every workflow shares: a trajectory (``Sample``), an episode's result (``Group``), the
-``Workflow`` and ``Rewarder`` interfaces, and the sampling parameters every rollout request sends.
+``Workflow`` and ``Rewarder`` interfaces, the episode contract of plug-ins (``EpisodeContext``), and the
+sampling parameters every rollout request sends.
 
 Every generated token carries the weight version of the server that produced it (``version_number``).
+
+The episode contract. ``workflow.name=module:function`` names an async function that runs one episode of one
+sample against an OpenAI-compatible endpoint; ``module:Class`` a class built once per process (no arguments)
+whose instances are such functions (``async def __call__``)::
+
+    async def my_agent(ep: EpisodeContext) -> float | None:
+        reply = await ep.client.chat.completions.create(model=ep.model, messages=[...], tools=[...])
+        ...
+        return await ep.score(reply.choices[0].message.content)    # the reward of the last completion
+
+It receives the row, an ``openai.AsyncOpenAI`` client (and the base URL it is built on), the rollout's sampling
+parameters, its index in the group and its seed; it returns the reward of its last completion, or None when it
+gave rewards with ``ep.set_reward(response.id, r)``. Its episodes run concurrently, like every workflow's.
+hpcrl turns it into a ``Workflow`` (``agent.py``): ``algorithm.group_size`` calls per row, each through an
+endpoint of its own that records every completion token for token (``hpcrl/rollout/proxy``). The built-in
+workflows implement ``Workflow`` themselves, at the token level; everything about an episode travels in its
+arguments there too, never in the workflow object.
 
 Seeds: an episode may get a seed (the controller derives one from ``run.seed`` and the row's draw number);
 every request it sends then carries SGLang's ``sampling_params.sampling_seed``, derived from it and where the
@@ -12,6 +30,7 @@ the same seed and the same weights give the same samples.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -48,6 +67,7 @@ class Group:
     answer: str
     prompt_ids: list[int]
     samples: list[Sample] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)  # what the workflow counted (metrics sum them per step)
 
     def min_version(self) -> int:
         return min((v for s in self.samples for v in s.versions), default=0)
@@ -61,6 +81,32 @@ class Workflow(Protocol):
     """
 
     async def run(self, prompt: str, answer: str, seed: int | None = None) -> Group: ...
+
+
+@dataclass
+class EpisodeContext:
+    """What one plug-in episode gets (module docstring): one sample of one row."""
+
+    row: dict[str, Any]  # the dataset row: "prompt" (as the dataset made it) and "answer"
+    client: Any  # openai.AsyncOpenAI on this episode's endpoint (its own base URL; retries are hpcrl's)
+    base_url: str  # that endpoint, for frameworks that build a client of their own (any API key works)
+    sampling: dict[str, Any]  # the rollout's, by OpenAI's names: temperature, top_p, max_tokens, stop
+    index: int  # this sample's place in its group, 0 .. algorithm.group_size - 1
+    seed: int | None  # this sample's seed (requests' sampling seeds derive from it); None: unseeded
+    set_reward: Callable[..., None]  # set_reward(response_id, reward[, index]): a completion's reward
+    score: Callable[[str], Awaitable[float]]  # the task's reward (reward.fn) of a completion's text
+    model: str = "hpcrl-policy"  # the model's name; the endpoint takes any
+
+    @property
+    def prompt(self) -> str:
+        return self.row["prompt"]
+
+    @property
+    def answer(self) -> str:
+        return self.row["answer"]
+
+
+EpisodeFn = Callable[[EpisodeContext], Awaitable[float | None]]
 
 
 def sampling_params(rollout: Any) -> dict[str, Any]:

@@ -1,0 +1,115 @@
+"""``python -m hpcrl.rollout.agents.evaluate --base-url URL --run-dir DIR``: an agent's held-out accuracy against
+any OpenAI-compatible server, without hpcrl's loop.
+
+The same episode function a run trains (``workflow.name``) runs once per held-out row, greedily (temperature
+0), against ``URL`` (e.g. ``http://127.0.0.1:30000/v1``: hpcrl's CPU server or SGLang, serving the trained model
+with the run's chat template and tool-call parser); its final reward is scored by the run's ``reward.fn``, here
+in this process. ``--run-dir`` takes the agent, the reward, the held-out rows and ``max_tokens`` from a run's
+``config.yaml``; ``--agent``, ``--reward``, ``--eval-size``, ``--seed`` and ``--max-tokens`` set them for the
+default task without one. Prints one JSON line: ``{"accuracy": ..., "rows": ..., "agent": ..., "base_url": ...}``.
+
+Rewards an episode gives with ``set_reward`` count too: its final reward is the one it returns, else the last it
+set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+DEFAULT_AGENT = "hpcrl.rollout.agents.mod10:calculator_agent"
+DEFAULT_REWARD = "hpcrl.reward.builtin:mod10"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m hpcrl.rollout.agents.evaluate", description=__doc__.splitlines()[0])
+    p.add_argument("--base-url", required=True, help="the server's OpenAI base URL, e.g. http://127.0.0.1:30000/v1")
+    p.add_argument("--run-dir", help="a run directory: agent, reward, held-out rows and max_tokens from its config")
+    p.add_argument("--agent", default=None, help=f"module:function of the episode (default {DEFAULT_AGENT})")
+    p.add_argument("--reward", default=None, help=f"module:function of the reward (default {DEFAULT_REWARD})")
+    p.add_argument("--eval-size", type=int, default=200, help="held-out rows of the default task (without --run-dir)")
+    p.add_argument("--seed", type=int, default=0, help="run.seed the default task's rows are drawn with")
+    p.add_argument("--max-tokens", type=int, default=None, help="max_tokens of every request (default: the run's, 1)")
+    p.add_argument("--concurrency", type=int, default=64, help="episodes at once")
+    p.add_argument("--model", default="default", help="the model name requests carry")
+    return p.parse_args(argv)
+
+
+def settings(args: argparse.Namespace) -> tuple[str, str, list[dict[str, str]], int]:
+    """(agent, reward, held-out rows, max_tokens), from the run's config or the arguments."""
+    if args.run_dir:
+        from hpcrl.config.load import load_run_config
+        from hpcrl.data import load_splits
+
+        cfg = load_run_config(Path(args.run_dir) / "config.yaml")
+        _, held_out = load_splits(cfg.dataset, cfg.run.seed)
+        agent, reward, max_tokens = cfg.workflow.name, cfg.reward.fn, cfg.rollout.max_new_tokens
+    else:
+        from hpcrl.data import make_mod10
+
+        _, held_out = make_mod10(0, args.eval_size, args.seed)
+        agent, reward, max_tokens = DEFAULT_AGENT, DEFAULT_REWARD, 1
+    rows = [{"prompt": r["prompt"], "answer": r["answer"]} for r in held_out]
+    return args.agent or agent, args.reward or reward, rows, args.max_tokens or max_tokens
+
+
+async def evaluate(
+    agent: str, reward: str, rows: list[dict[str, str]], base_url: str, sampling: dict[str, Any], *, model: str,
+    concurrency: int = 64,
+) -> float:  # fmt: skip
+    """Mean final reward of one run of ``agent`` per row against ``base_url``."""
+    import openai
+
+    from hpcrl.reward.registry import resolve as resolve_reward
+    from hpcrl.reward.registry import to_reward
+    from hpcrl.rollout.workflows.base import EpisodeContext
+    from hpcrl.rollout.workflows.plugin import resolve
+
+    episode, score_fn = resolve(agent), resolve_reward(reward)
+    gate = asyncio.Semaphore(concurrency)
+    async with openai.DefaultAsyncHttpxClient(timeout=600) as http:
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="EMPTY", http_client=http, max_retries=2)
+
+        async def one(row: dict[str, str]) -> float:
+            given: list[float] = []
+
+            async def score(text: str) -> float:
+                return to_reward(score_fn(row["prompt"], text, row["answer"]))
+
+            ctx = EpisodeContext(
+                row=row,
+                client=client,
+                base_url=base_url,
+                sampling=dict(sampling),
+                index=0,
+                seed=None,
+                set_reward=lambda _id, value, index=None: given.append(to_reward(value)),
+                score=score,
+                model=model,
+            )
+            async with gate:
+                final = await episode(ctx)
+            return to_reward(final) if final is not None else (given[-1] if given else 0.0)
+
+        rewards = await asyncio.gather(*(one(r) for r in rows))
+    return statistics.fmean(rewards) if rewards else 0.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    agent, reward, rows, max_tokens = settings(args)
+    sampling = {"temperature": 0.0, "max_tokens": max_tokens}
+    accuracy = asyncio.run(
+        evaluate(agent, reward, rows, args.base_url, sampling, model=args.model, concurrency=args.concurrency)
+    )
+    print(json.dumps({"accuracy": accuracy, "rows": len(rows), "agent": agent, "base_url": args.base_url}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
