@@ -274,6 +274,11 @@ def test_tiny_job_runs_as_a_local_controller_job(tmp_path):
     run_dir = tmp_path / "default" / "tiny" / "0"
     summary = summary_in(job_stdout(job_folder(run_dir.parent)))
     assert summary["steps"] == 3 and summary["run_dir"] == str(run_dir), summary
+    # the submitting terminal says where the run and its log are before it submits, and prints the summary at the end
+    sweep = run_dir.parent
+    assert f"runs in {sweep}/<job number>/" in result.stderr
+    assert f"follow it in {sweep}/<job number>/logs/controller-0.log" in result.stderr
+    assert summary_in(result.stdout) == summary
 
 
 @pytest.mark.slow
