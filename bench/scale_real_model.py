@@ -1,6 +1,7 @@
 """Scale check: a model of Qwen2.5-0.5B's shape through the whole loop of ``experiment=gsm8k`` on this machine.
 
     python bench/scale_real_model.py [--steps 2] [--prompts 2] [--group 4] [--new-tokens 32] [--shape qwen2.5-0.5b]
+    python bench/scale_real_model.py --quick      # the tiny shape, to check the script (tests/bench)
 
 Makes a Qwen2-shaped model of 494M parameters, randomly initialised, behind the BPE chat tokenizer of
 ``hpcrl/models/chat.py`` (``python -m hpcrl.models.chat --shape qwen2.5-0.5b``), writes GSM8K-style rows, and runs
@@ -148,7 +149,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32, help="rollout.max_new_tokens")
     parser.add_argument("--dtype", default="float32", help="model.dtype of the servers (bfloat16 is slow on CPUs)")
     parser.add_argument("--keep", type=Path, help="work in this directory and keep it (default: a temporary one)")
+    parser.add_argument("--quick", action="store_true", help="the tiny shape: checks the script, measures nothing")
     args = parser.parse_args()
+    if args.quick:
+        args.shape = "tiny"
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
         run(args, args.keep)
