@@ -128,7 +128,7 @@ FAILED_JOB_LINES = 20  # the last lines of a failed job's stderr printed where i
 def report_failed_job(error: BaseException | None, lines: int = FAILED_JOB_LINES) -> None:
     """A controller job that failed under a submitit launcher reaches the submitting process as submitit's
     ``UncompletedJobError`` (or ``FailedJobError``), whose report holds the job's whole stderr, with the job's own
-    error somewhere inside: print that stderr's last lines (without submitit's own log lines) and where it is."""
+    error somewhere inside: print that stderr's last lines (without submitit's and srun's own lines) and where it is."""
     if error is None or type(error).__name__ not in ("UncompletedJobError", "FailedJobError"):
         return
     text = str(error)
@@ -140,7 +140,7 @@ def report_failed_job(error: BaseException | None, lines: int = FAILED_JOB_LINES
     tail = [
         line
         for line in (stderr.read_text(errors="replace").splitlines() if stderr.is_file() else [])
-        if line.strip() and not line.startswith("submitit ")
+        if line.strip() and not line.startswith(("submitit ", "srun: "))
     ][-lines:]
     print(
         f"hpcrl: the controller job failed{f' ({state.group(1)})' if state else ''}; the last lines of its "

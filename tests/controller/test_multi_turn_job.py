@@ -9,7 +9,7 @@ from tests.controller.test_job import metrics_of, run_job, summary_of
 def test_the_multi_turn_experiment_runs_end_to_end(tmp_path):
     overrides = ["experiment=mod10_multi_turn", "run.trial=mt", "run.max_steps=3", "rollout.prompts_per_step=16"]
     summary = summary_of(run_job(tmp_path, *overrides))
-    assert set(summary) == {"steps", "wall_s", "eval_accuracy_before", "eval_accuracy_after", "run_dir"}
+    assert set(summary) == {"steps", "wall_s", "eval_accuracy_before", "eval_accuracy_after", "run_dir", "final_model"}
     run_dir = tmp_path / "mod10_multi_turn" / "mt"
     assert summary["steps"] == 3 and summary["run_dir"] == str(run_dir)
     rows = metrics_of(run_dir)
