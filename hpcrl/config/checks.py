@@ -31,6 +31,8 @@ from hpcrl.config.schema import (
     WorkflowConfig,
 )
 from hpcrl.config.shorthand import SERVER_BACKENDS, TRAINER_BACKENDS, parse_spec
+from hpcrl.inference.openai.chat import TOOL_PARSERS
+from hpcrl.inference.openai.templates import TEMPLATES
 
 log = logging.getLogger(__name__)
 
@@ -287,8 +289,19 @@ def check_rollout(r: RolloutConfig) -> None:
     require(r.workers >= 0, "rollout.workers", r.workers, "an integer >= 0 (0 = episodes run in the controller)")
 
 
+BUILTIN_WORKFLOWS = ("single_turn", "multi_turn", "best_of_n", "majority_vote", "pipeline")
+
+
 def check_workflow(w: WorkflowConfig) -> None:
-    one_of("workflow.name", w.name, ("single_turn", "multi_turn", "best_of_n", "majority_vote", "pipeline"))
+    if ":" in w.name:  # a plug-in: imported (and its errors named) when the job starts, before any worker
+        module, _, attr = w.name.partition(":")
+        ok = all(part.isidentifier() for part in [*module.split("."), attr])
+        require(ok, "workflow.name", w.name, "a built-in workflow or 'package.module:function' (a plug-in)")
+    else:
+        one_of("workflow.name", w.name, BUILTIN_WORKFLOWS)
+    ok = not w.chat_template or w.chat_template in TEMPLATES or w.chat_template.endswith(".jinja")
+    require(ok, "workflow.chat_template", w.chat_template, f'"", one of {", ".join(TEMPLATES)}, or a .jinja file')
+    one_of("workflow.tool_parser", w.tool_parser, TOOL_PARSERS)
     require(w.max_turns >= 1, "workflow.max_turns", w.max_turns, "an integer >= 1")
     require(0 < w.turn_discount <= 1, "workflow.turn_discount", w.turn_discount, "a number in (0, 1]")
     require(w.n >= 1, "workflow.n", w.n, "an integer >= 1")

@@ -205,14 +205,16 @@ class RolloutConfig:
 
 @dataclass
 class WorkflowConfig:
-    name: str = "single_turn"  # single_turn | multi_turn | best_of_n | majority_vote | pipeline
+    name: str = "single_turn"  # single_turn | multi_turn | best_of_n | majority_vote | pipeline | module:function
     max_turns: int = 2  # multi_turn: the most model turns in one trajectory
-    turn_discount: float = 0.9  # multi_turn: the reward is multiplied by this once per turn after the first
+    turn_discount: float = 0.9  # multi_turn: reward factor per turn after the first; plug-ins: per completion back
     feedback: str = " no, again: "  # multi_turn: the user turn after a wrong answer (chat-templated if possible)
     n: int = 4  # best_of_n, majority_vote: candidates generated per episode
     verifier: str = ""  # best_of_n: "module:function" scoring candidates like a reward; "" = reward.fn
     stages: list[str] = field(default_factory=lambda: ["{prompt}", "{prompt}{previous}|"])  # pipeline: prompts
     train_on: str = "all"  # scaffolds as rollout: train on all candidates' trajectories | the chosen one
+    chat_template: str = ""  # plug-ins: the proxy's chat template: "" = the tokenizer's | tiny_tools | a .jinja file
+    tool_parser: str = "hermes"  # plug-ins: how tool calls are read from the model's turns: hermes | tiny | none
 
 
 @dataclass

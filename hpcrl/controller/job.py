@@ -36,13 +36,16 @@ from hpcrl.controller.trainers import Trainers
 from hpcrl.controller.weights import WeightSync
 from hpcrl.inference.client import InferenceClient
 from hpcrl.inference.options import client_options
-from hpcrl.launch.addresses import port_range
+from hpcrl.launch.addresses import port_range, worker_addresses
 from hpcrl.launch.base import Scheduler, WorkerGroup
 from hpcrl.launch.lease import LeaseKeeper, with_lease
 from hpcrl.launch.local import LocalScheduler
 from hpcrl.launch.registry import Entry, Registry
 from hpcrl.launch.slots import PortSlots
 from hpcrl.reward.pool import RewardPool
+from hpcrl.rollout.proxy.server import loopback
+from hpcrl.rollout.workflows.plugin import is_plugin
+from hpcrl.rollout.workflows.plugin import resolve as resolve_workflow
 from hpcrl.rpc.auth import create_token, read_token
 from hpcrl.rundir import RunDir
 
@@ -52,6 +55,8 @@ log = logging.getLogger(__name__)
 def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None) -> dict[str, Any]:
     from hpcrl.data import load_splits
 
+    if is_plugin(cfg.workflow.name):  # imported here first: one that does not import fails before anything starts
+        resolve_workflow(cfg.workflow.name)
     train, held_out = load_splits(cfg.dataset, cfg.run.seed)
     train_rows, eval_rows = prepare_rows(cfg, list(train), list(held_out))
     model_path = prepare_model(cfg, run_dir, train_rows + eval_rows)
@@ -91,6 +96,9 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
             trainers.check_alive()  # a rank the lease keeper could not reach for a whole lease counts as ended
 
         workers = Workers(None, None, rewards, check_alive, servers=pool)  # client and trainers are opened below
+        if is_plugin(cfg.workflow.name):  # its proxy, for episodes and evaluation here: a port of the controller's slot
+            workers.proxy_host = loopback(worker_addresses(cfg.cluster.net)[0])
+            workers.proxy_ports = slots.allocator(slots.controller, port_range(cfg.cluster.net))
         addresses = [[e.address for e in entries] for entries in (server_entries, trainer_entries, rollout_entries)]
         rows = (train_rows, eval_rows)
         summary = asyncio.run(_drive(cfg, run_dir, workers, addresses, token, rows, preempt))
@@ -215,8 +223,15 @@ def prepare_model(cfg: Config, run_dir: RunDir, rows: list[dict[str, str]]) -> P
 
 def workflow_text(cfg: Config) -> list[str]:
     """Text the workflow puts into trajectories besides the rows: multi-turn feedback, pipeline stages
-    (their ``{field}`` names too, a few unused tokens that keep this simple)."""
+    (their ``{field}`` names too, a few unused tokens that keep this simple), a plug-in's chat template around
+    its turns and what the plug-in says it writes (its ``text`` attribute)."""
     w = cfg.workflow
+    if is_plugin(w.name):
+        from hpcrl.inference.openai.chat import ChatFormat
+        from hpcrl.models.tiny import make_tokenizer
+        from hpcrl.rollout.workflows.plugin import extra_text, resolve
+
+        return [ChatFormat(make_tokenizer(), w.chat_template).own_text(), *extra_text(resolve(w.name))]
     if w.name == "multi_turn":  # the feedback as the model sees it: a user turn in the chat template
         from hpcrl.models.tiny import make_tokenizer
         from hpcrl.rollout.workflows.multi_turn import feedback_text

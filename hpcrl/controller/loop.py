@@ -36,13 +36,15 @@ from hpcrl.controller.weights import WeightSync
 from hpcrl.inference.client import InferenceClient
 from hpcrl.reward.outcome import RewardError
 from hpcrl.rollout.executor import RolloutExecutor
-from hpcrl.rollout.workflows import make_workflow
+from hpcrl.rollout.workflows import close_workflow, make_workflow
 from hpcrl.rollout.workflows.base import Group, derive_seed
+from hpcrl.rollout.workflows.plugin import is_plugin
 from hpcrl.rpc.messages import SequenceData
 
 if TYPE_CHECKING:  # types only: importing these here would add the reward pool and RPC to every loop import
     from hpcrl.controller.servers import ServerPool
     from hpcrl.controller.trainers import Trainers
+    from hpcrl.net import PortAllocator
     from hpcrl.reward.pool import RewardPool
     from hpcrl.rollout.remote import RemoteEpisodes
 
@@ -57,6 +59,8 @@ class Workers:
     check_alive: Callable[[], None]  # raises naming the worker when one has died
     episodes: RemoteEpisodes | None = None  # when rollout workers run the episodes
     servers: ServerPool | None = None  # drops or restarts a dead server
+    proxy_host: str = "127.0.0.1"  # a plug-in workflow's proxy here: the loopback address of the run's family
+    proxy_ports: PortAllocator | None = None  # ... and the controller's port slot
 
 
 class Loop:
@@ -72,15 +76,19 @@ class Loop:
         self.accuracy_before = self.accuracy = 0.0  # held-out accuracy before step 1, and the latest measured
         self.progress: Callable[[int, dict[str, Any]], None] = lambda step, metrics: None
         self.preempt: PreemptionGuard | None = None  # notes Slurm's preemption or time-limit signal
+        self._workflow: Any = None  # this process's workflow: its episodes, and a plug-in's held-out evaluation
 
     async def run(self, sync: WeightSync) -> dict[str, Any]:
         """Train until run.max_steps or eval.stop_at_accuracy; return the summary."""
         main = asyncio.create_task(self._train(sync), name="loop")
         watchdog = asyncio.create_task(self._watch(), name="watchdog")
-        done, _ = await asyncio.wait({main, watchdog}, return_when=asyncio.FIRST_COMPLETED)
-        for task in (main, watchdog):
-            task.cancel()
-        await asyncio.gather(main, watchdog, return_exceptions=True)
+        try:
+            done, _ = await asyncio.wait({main, watchdog}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (main, watchdog):
+                task.cancel()
+            await asyncio.gather(main, watchdog, return_exceptions=True)
+            await close_workflow(self._workflow)  # a plug-in's proxy stops listening
         finished = done.pop()
         if finished.exception() is not None and not isinstance(finished.exception(), Preempted):
             await self._blame_dead_worker(finished.exception())
@@ -262,7 +270,7 @@ class Loop:
         if self.w.episodes is not None:  # rollout workers run the workflow and the reward
             episode = self._remote_episode
         else:
-            workflow = make_workflow(cfg, self.w.client, self.tokenizer, self.w.rewards, self.resumed)
+            workflow = self.workflow()
             episode = lambda row: workflow.run(row["prompt"], row["answer"], seed=self._seed(row))  # noqa: E731
         return RolloutExecutor(
             episode,
@@ -379,7 +387,20 @@ class Loop:
         every = self.cfg.eval.every_steps
         return step == self.cfg.run.max_steps or (every > 0 and step % every == 0)
 
+    def workflow(self) -> Any:
+        """The workflow this process runs (``make_workflow``), built once."""
+        if self._workflow is None:
+            w = self.w
+            self._workflow = make_workflow(
+                self.cfg, w.client, self.tokenizer, w.rewards, self.resumed, host=w.proxy_host, ports=w.proxy_ports
+            )
+        return self._workflow
+
     async def evaluate(self) -> float:
+        """Held-out accuracy: greedy completions of the prompts, or for a plug-in workflow the episode's own final
+        reward, one greedy run per row (here, even when rollout workers run the training episodes)."""
+        if is_plugin(self.cfg.workflow.name):
+            return await self.workflow().accuracy(self.eval_rows)
         return await greedy_accuracy(
             self.w.client, self.tokenizer, self.eval_rows, self.w.rewards, self.cfg.rollout.max_new_tokens
         )
