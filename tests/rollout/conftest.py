@@ -28,3 +28,12 @@ def agent_server(agent_model, tmp_path_factory):
     proc = ServerProc(agent_model, log, "127.0.0.1", "--chat-template", "tiny_tools", "--tool-call-parser", "tiny")
     yield proc
     proc.stop()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist the agent server's tests run in one worker, so that the session starts it once."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        if "agent_server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("agent_server"))

@@ -379,3 +379,24 @@ def test_episodes_on_one_proxy_record_only_their_own_completions(agent_server):
     first, second = run(episodes())
     assert [c.prompt_ids for c in first.completions] == [ids(tokenizer, "1+1=")]
     assert [c.prompt_ids for c in second.completions] == [ids(tokenizer, "2+2=")]
+
+
+def test_the_episodes_stop_strings_end_an_answer_as_the_requests_own_do(agent_server):
+    tokenizer = load_tokenizer(agent_server.model)
+    draw = server_draw(agent_server, ids(tokenizer, "1+1="), draw_seed(0), ignore_eos=True)[0]
+    stop = tokenizer.decode(draw, skip_special_tokens=True)[-1]  # a character the draw writes
+
+    async def episode(episode_stop: list[str], request_stop: list[str]):
+        async with proxy_on([agent_server.address], tokenizer) as proxy:
+            log = proxy.open({**EPISODE, "stop": episode_stop}, EPISODE_SEED)
+            c = agent_client(proxy.base_url(log))
+            ask = {"model": "m", "prompt": "1+1=", "extra_body": NO_EOS}
+            return await c.completions.create(**ask, **({"stop": request_stop} if request_stop else {})), log
+
+    default, by_episode = run(episode([stop], []))
+    own, by_request = run(episode([], [stop]))
+    [recorded] = by_episode.completions
+    assert recorded.output_ids == by_request.completions[0].output_ids, "the same draw, stopped at the same token"
+    text = tokenizer.decode(recorded.output_ids, skip_special_tokens=True)
+    assert text.endswith(stop) and default.choices[0].finish_reason == own.choices[0].finish_reason == "stop"
+    assert default.choices[0].text == own.choices[0].text == text[: -len(stop)], "the stop string is not shown"

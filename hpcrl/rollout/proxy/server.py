@@ -219,6 +219,8 @@ class Proxy:
         self, episode: EpisodeLog, rid: str, prompt_ids: list[int], sampling: Sampling, tools: list, tool_choice: str
     ) -> tuple[list[Choice], str]:
         """The request's ``n`` choices, each recorded on the episode; and the newest weight version among them."""
+        if not sampling.stop and episode.sampling.get("stop"):  # the episode's, ending and trimmed as the request's
+            sampling.stop = list(episode.sampling["stop"])
         params = self._params(episode, sampling)
         request = episode.requests
         episode.requests += 1
@@ -271,10 +273,7 @@ class Proxy:
                 "episode's sampling['temperature']",
                 param="temperature",
             )
-        params = sampling.params({k: v for k, v in episode.sampling.items() if k != "stop"})
-        if not sampling.stop and episode.sampling.get("stop"):
-            params["stop"] = list(episode.sampling["stop"])
-        return params
+        return sampling.params({k: v for k, v in episode.sampling.items() if k != "stop"})
 
     def _episode(self, request: web.Request) -> EpisodeLog | None:
         return self.episodes.get(request.match_info["key"])
