@@ -7,6 +7,11 @@ GRPO, Dr. GRPO, DAPO and critic-free PPO differ only in the fields these two ent
   policy with capped behaviour weights (``behavior_weight_cap``), with a KL term to the reference policy
   (``kl.coef``) where ``kl.place`` puts it, reduced by ``loss_agg``.
 
+For PPO with a learned critic, ``gae.py`` (GAE advantages and returns per token, outcome-reward placement,
+batch whitening) and ``value.py`` (the clipped value loss, explained variance) hold the functions; no config
+field selects them yet and the trainer does not call them (the critic role and the loop are issue 23's
+later steps).
+
 The KL term (``hpcrl/config/checks.py`` holds the rule and its reference): ``kl.place=loss`` adds
 ``kl.coef * k2`` to each token's loss, whose expected gradient is that of each token's KL(pi || ref) at the
 prefixes sampled; ``kl.place=reward`` subtracts ``kl.coef * k1`` of the behaviour policy per token from the
