@@ -4,9 +4,11 @@ any OpenAI-compatible server, without hpcrl's loop.
 The same episode function a run trains (``workflow.name``) runs once per held-out row, greedily (temperature
 0), against ``URL`` (e.g. ``http://127.0.0.1:30000/v1``: hpcrl's CPU server or SGLang, serving the trained model
 with the run's chat template and tool-call parser); its final reward is scored by the run's ``reward.fn``, here
-in this process. ``--run-dir`` takes the agent, the reward, the held-out rows and ``max_tokens`` from a run's
-``config.yaml``; ``--agent``, ``--reward``, ``--eval-size``, ``--seed`` and ``--max-tokens`` set them for the
-default task without one. Prints one JSON line: ``{"accuracy": ..., "rows": ..., "agent": ..., "base_url": ...}``.
+in this process. ``--run-dir`` takes the agent, the reward, the held-out rows and the sampling from a run's
+``config.yaml`` (the rollout's ``max_tokens``, ``top_p`` and ``stop``: the ``ep.sampling`` the run's own held-out
+evaluation gives the agent); ``--agent``, ``--reward``, ``--eval-size``, ``--seed`` and ``--max-tokens`` set them
+for the default task without one. Prints one JSON line:
+``{"accuracy": ..., "rows": ..., "agent": ..., "base_url": ...}``.
 
 Rewards an episode gives with ``set_reward`` count too: its final reward is the one it returns, else the last it
 set.
@@ -40,22 +42,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def settings(args: argparse.Namespace) -> tuple[str, str, list[dict[str, str]], int]:
-    """(agent, reward, held-out rows, max_tokens), from the run's config or the arguments."""
+def settings(args: argparse.Namespace) -> tuple[str, str, list[dict[str, str]], dict[str, Any]]:
+    """(agent, reward, held-out rows, the sampling every request carries), from the run's config or the arguments.
+
+    The sampling is what the run's own held-out evaluation gives the agent (``ep.sampling``): the rollout's, greedy."""
+    from hpcrl.rollout.workflows.agent import openai_sampling
+
     if args.run_dir:
         from hpcrl.config.load import load_run_config
         from hpcrl.data import load_splits
+        from hpcrl.rollout.workflows.base import sampling_params
 
         cfg = load_run_config(Path(args.run_dir) / "config.yaml")
         _, held_out = load_splits(cfg.dataset, cfg.run.seed)
-        agent, reward, max_tokens = cfg.workflow.name, cfg.reward.fn, cfg.rollout.max_new_tokens
+        agent, reward, sampling = cfg.workflow.name, cfg.reward.fn, sampling_params(cfg.rollout)
     else:
         from hpcrl.data import make_mod10
 
         _, held_out = make_mod10(0, args.eval_size, args.seed)
-        agent, reward, max_tokens = DEFAULT_AGENT, DEFAULT_REWARD, 1
+        agent, reward, sampling = DEFAULT_AGENT, DEFAULT_REWARD, {"max_new_tokens": 1}
+    if args.max_tokens:
+        sampling["max_new_tokens"] = args.max_tokens
     rows = [{"prompt": r["prompt"], "answer": r["answer"]} for r in held_out]
-    return args.agent or agent, args.reward or reward, rows, args.max_tokens or max_tokens
+    return args.agent or agent, args.reward or reward, rows, openai_sampling({**sampling, "temperature": 0.0})
 
 
 async def evaluate(
@@ -102,8 +111,7 @@ async def evaluate(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    agent, reward, rows, max_tokens = settings(args)
-    sampling = {"temperature": 0.0, "max_tokens": max_tokens}
+    agent, reward, rows, sampling = settings(args)
     accuracy = asyncio.run(
         evaluate(agent, reward, rows, args.base_url, sampling, model=args.model, concurrency=args.concurrency)
     )

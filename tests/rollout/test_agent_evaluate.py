@@ -1,0 +1,127 @@
+"""The example agent (``hpcrl.rollout.agents.mod10:calculator_agent``) evaluated without hpcrl's loop, as
+``python -m hpcrl.rollout.agents.evaluate`` against the CPU server's OpenAI routes, and through hpcrl's proxy
+(``AgentWorkflow.accuracy``): both print the accuracy of the greedy answers computed here from the server's own
+``/generate``, the calculator's result sent back where the model called it."""
+
+import json
+import subprocess
+import sys
+
+from hpcrl.config.load import dump_config
+from hpcrl.data import load_splits, make_mod10
+from hpcrl.inference.openai.chat import ChatFormat
+from hpcrl.models.tokenizer import load_tokenizer
+from hpcrl.reward.builtin import mod10
+from hpcrl.reward.outcome import RewardOutcome
+from hpcrl.rollout.agents.evaluate import DEFAULT_AGENT, DEFAULT_REWARD, parse_args, settings
+from hpcrl.rollout.agents.mod10 import calculator_agent
+from hpcrl.rollout.workflows.agent import AgentWorkflow
+from tests.config.compose import load
+from tests.conftest import REPO
+from tests.rollout.test_multi_turn import Recording, resumed_event, run
+
+ROWS = 40  # held-out rows of the default task (run.seed 0)
+
+
+def ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def greedy_answers(server, rows: list[dict[str, str]]) -> tuple[list[str], int]:
+    """The agent's final answer to each row, greedily, from /generate (tiny_tools: a turn is its bare text, a call is
+    ``?`` and a tool result is followed by ``=``); and how many rows called the calculator."""
+    tokenizer = load_tokenizer(server.model)
+    greedy = {"max_new_tokens": 1, "temperature": 0.0}
+    first = server.generate_many([{"input_ids": ids(tokenizer, r["prompt"]), "sampling_params": greedy} for r in rows])
+    called = [i for i, answer in enumerate(first) if answer["output_ids"] == ids(tokenizer, "?")]
+    # the calculator answers the question itself: (a + b) mod 10, the row's answer
+    second = server.generate_many(
+        [
+            {"input_ids": ids(tokenizer, f"{rows[i]['prompt']}?{rows[i]['answer']}="), "sampling_params": greedy}
+            for i in called
+        ]
+    )
+    final = [a["output_ids"] for a in first]
+    for i, answer in zip(called, second, strict=True):
+        final[i] = answer["output_ids"]
+    return [tokenizer.decode(out, skip_special_tokens=True) for out in final], len(called)
+
+
+def expected_accuracy(server, rows) -> float:
+    answers, called = greedy_answers(server, rows)
+    assert 0 < called < len(rows), f"{called} of {len(rows)} rows call the calculator: both paths must be taken"
+    return sum(mod10(r["prompt"], a, r["answer"]) for r, a in zip(rows, answers, strict=True)) / len(rows)
+
+
+def held_out(size: int = ROWS, seed: int = 0) -> list[dict[str, str]]:
+    return [{"prompt": r["prompt"], "answer": r["answer"]} for r in make_mod10(0, size, seed)[1]]
+
+
+def test_the_standalone_evaluation_prints_the_accuracy_of_the_greedy_answers(agent_server):
+    expected = expected_accuracy(agent_server, held_out())
+    cmd = [sys.executable, "-m", "hpcrl.rollout.agents.evaluate", "--base-url", f"{agent_server.url}/v1"]
+    result = subprocess.run([*cmd, "--eval-size", str(ROWS)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [line] = result.stdout.splitlines()
+    printed = json.loads(line)
+    assert printed == {"accuracy": expected, "rows": ROWS, "agent": DEFAULT_AGENT, "base_url": f"{agent_server.url}/v1"}
+
+
+class Greedy(Recording):
+    """The real client; ``params`` holds the sampling parameters of every generate."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.params = []
+
+    async def generate(self, input_ids, sampling_params, **kwargs):
+        self.params.append(dict(sampling_params))
+        return await super().generate(input_ids, sampling_params, **kwargs)
+
+
+class Mod10Rewards:
+    """reward.fn=hpcrl.reward.builtin:mod10, scored in this process."""
+
+    async def score(self, items):
+        return [RewardOutcome(mod10(*item)) for item in items]
+
+
+def test_the_same_agent_through_hpcrls_proxy_has_the_same_held_out_accuracy(agent_server):
+    rows = held_out()
+    tokenizer = load_tokenizer(agent_server.model)
+    sampling = {"max_new_tokens": 1, "temperature": 1.0, "top_p": 1.0, "top_k": -1}  # evaluation is greedy anyway
+
+    async def accuracy():
+        async with Greedy([agent_server.address], max_retries=0) as client:
+            chat = ChatFormat(tokenizer, "tiny_tools", "tiny")
+            workflow = AgentWorkflow(
+                calculator_agent, client, tokenizer, chat, sampling, 8, Mod10Rewards(), resumed_event()
+            )
+            try:
+                return await workflow.accuracy(rows), client.params
+            finally:
+                await workflow.aclose()
+
+    measured, params = run(accuracy())
+    assert measured == expected_accuracy(agent_server, rows)
+    assert len(params) > ROWS and {p["temperature"] for p in params} == {0.0}, "every request greedy"
+
+
+def test_a_run_directory_gives_the_agent_reward_rows_and_sampling_of_the_runs_own_evaluation(tmp_path):
+    cfg = load("experiment=mod10_agent", "dataset.eval_size=7", "run.seed=3", "rollout.stop=['=']", "rollout.top_p=0.9")
+    (tmp_path / "config.yaml").write_text(dump_config(cfg))
+    agent, reward, rows, sampling = settings(parse_args(["--base-url", "http://x/v1", "--run-dir", str(tmp_path)]))
+    assert (agent, reward) == (cfg.workflow.name, cfg.reward.fn) == (DEFAULT_AGENT, DEFAULT_REWARD)
+    assert rows == [{"prompt": r["prompt"], "answer": r["answer"]} for r in load_splits(cfg.dataset, 3)[1]]
+    assert len(rows) == 7 and rows == held_out(7, 3)
+    assert sampling == {"temperature": 0.0, "top_p": 0.9, "max_tokens": 1, "stop": ["="]}
+    args = parse_args(
+        ["--base-url", "http://x/v1", "--max-tokens", "4", "--agent", "mytasks:agent", "--eval-size", "5"]
+    )
+    agent, reward, rows, sampling = settings(args)
+    assert (agent, reward, len(rows), sampling) == (
+        "mytasks:agent",
+        DEFAULT_REWARD,
+        5,
+        {"temperature": 0.0, "max_tokens": 4},
+    )
