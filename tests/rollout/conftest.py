@@ -29,11 +29,3 @@ def agent_server(agent_model, tmp_path_factory):
     yield proc
     proc.stop()
 
-
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist the agent server's tests run in one worker, so that the session starts it once."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        if "agent_server" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("agent_server"))
