@@ -28,4 +28,3 @@ def agent_server(agent_model, tmp_path_factory):
     proc = ServerProc(agent_model, log, "127.0.0.1", "--chat-template", "tiny_tools", "--tool-call-parser", "tiny")
     yield proc
     proc.stop()
-
