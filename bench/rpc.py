@@ -13,12 +13,24 @@ trainer rank is a process of its own. The client (this process) sends, side by s
 Throughput is payload bytes over the wall time of ``--calls`` sends one after another (connections already
 open). Latency: ``ping`` (a Ping answered with a Pong, handler thread included) and a 1-byte raw round trip,
 one at a time. Goal: RPC / raw >= 0.5 at 64 MiB. Medians over runs of the per-run ratios.
+
+A train step's batch, side by side in each run: one rank's batch of the default job (64 prompts x 8 samples
+of 4 prompt + 2 completion tokens, with behaviour logprobs and versions) and a larger one of the same count
+(256 + 256 tokens a sample), sent ``--batch-calls`` times each way, one call after another:
+
+- raw: ``TrainStep(SequenceBatch.pack(sequences))``, flat tensors whose bytes travel outside the JSON header,
+  as the controller sends it; the server ``unpack``s it into per-sequence lists, as a trainer rank does;
+- JSON: the same sequences as JSON lists of numbers in the header (``JsonTrainStep``, registered here: the
+  format the train step had before), which the server's decoder turns into the same lists.
+
+Each time is a whole call: build and encode on the client, send, decode and unpack on the server, an Ack back.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -31,11 +43,52 @@ import time
 import torch
 from _jobs import median, table
 
-from hpcrl.rpc import RpcClient, RpcServer
-from hpcrl.rpc.messages import Ack, Echo, Ping, Pong
+from hpcrl.rpc import RpcClient, RpcServer, encode
+from hpcrl.rpc.messages import Ack, Echo, Ping, Pong, SequenceBatch, SequenceData, TrainStep, register
 
 TOKEN = "bench-token-" + "x" * 32
 MIB = 1 << 20
+BATCHES = {"default job (64x8, 4+2 tokens)": (512, 4, 2), "64x8, 256+256 tokens": (512, 256, 256)}
+
+
+@register
+@dataclasses.dataclass
+class JsonSequence:  # SequenceData's fields, as the train step carried them before: JSON lists
+    input_ids: list[int]
+    loss_mask: list[int]
+    advantage: float
+    old_logprobs: list[float] | None
+    prox_logprobs: list[float] | None
+    ref_logprobs: list[float] | None
+    versions: list[int] | None
+
+
+@register
+@dataclasses.dataclass
+class JsonTrainStep:
+    sequences: list[JsonSequence]
+    temperature: float
+
+
+def train_batch(samples: int, prompt: int, completion: int) -> list[SequenceData]:
+    """Sequences shaped as ``to_sequences`` makes them: float32 logprobs (as servers send), -1 versions on prompts."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(samples):
+        ids = torch.randint(3, 2000, (prompt + completion,), generator=gen).tolist()
+        logprobs = (-torch.rand(completion, generator=gen) * 5).tolist()
+        out.append(
+            SequenceData(
+                input_ids=ids,
+                loss_mask=[0] * prompt + [1] * completion,
+                advantage=float(torch.randn(1, generator=gen)),
+                old_logprobs=[0.0] * prompt + logprobs,
+                prox_logprobs=None,
+                ref_logprobs=None,
+                versions=[-1] * prompt + [i % 3] * completion,
+            )
+        )
+    return out
 
 
 # --- the server process ---------------------------------------------------------------------------------
@@ -49,7 +102,16 @@ def serve() -> None:
     def ping(_: Ping) -> Pong:
         return Pong(rank=0, pid=os.getpid())
 
-    server = RpcServer({"sink": sink, "ping": ping}, TOKEN, 0, host="127.0.0.1")
+    def train_raw(msg: TrainStep) -> Ack:
+        assert len(msg.batch.unpack()) > 0
+        return Ack()
+
+    def train_json(msg: JsonTrainStep) -> Ack:
+        assert len(msg.sequences) > 0  # the decoder already made the lists
+        return Ack()
+
+    handlers = {"sink": sink, "ping": ping, "train_raw": train_raw, "train_json": train_json}
+    server = RpcServer(handlers, TOKEN, 0, host="127.0.0.1")
     address = server.start_in_thread()
     listener = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_raw_sink, args=(listener,), daemon=True).start()
@@ -132,6 +194,20 @@ def raw_latencies(raw: Raw, calls: int) -> list[float]:
     return out
 
 
+async def train_batch_ms(client: RpcClient, sequences: list[SequenceData], raw: bool, calls: int) -> float:
+    """Median ms of one train-step call carrying ``sequences`` raw (packed tensors) or as JSON lists."""
+    as_json = [JsonSequence(**vars(s)) for s in sequences]  # what the old path held already: not timed
+    out = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        if raw:
+            await client.call("train_raw", [TrainStep(SequenceBatch.pack(sequences), 1.0)])
+        else:
+            await client.call("train_json", [JsonTrainStep(as_json, 1.0)])
+        out.append(time.perf_counter() - start)
+    return median(out) * 1e3
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -146,8 +222,12 @@ def calls_for(size: int, quick: bool) -> int:
 async def measure(addresses: dict, args) -> dict[str, list[float]]:
     rows: dict[str, list[float]] = {}
     tensors = {mib: torch.randint(0, 256, (int(mib * MIB),), dtype=torch.uint8) for mib in args.sizes_mib}
+    batches = {name: train_batch(*shape) for name, shape in BATCHES.items()}
     raw = Raw(addresses["raw"])
     async with RpcClient([addresses["rpc"]], TOKEN) as client:
+        for sequences in batches.values():  # warm-up
+            await train_batch_ms(client, sequences, True, 2)
+            await train_batch_ms(client, sequences, False, 2)
         for t in tensors.values():  # warm-up: connections, buffer pools
             await client.call("sink", [Echo([t], "")])
             raw.send(memoryview(t.numpy()).cast("B"))
@@ -162,6 +242,10 @@ async def measure(addresses: dict, args) -> dict[str, list[float]]:
             rows.setdefault("rpc ping p99", []).append(percentile(rpc_lat, 0.99) * 1e6)
             rows.setdefault("raw 1 B p50", []).append(percentile(raw_lat, 0.5) * 1e6)
             rows.setdefault("raw 1 B p99", []).append(percentile(raw_lat, 0.99) * 1e6)
+            for name, sequences in batches.items():
+                for way in ("json", "raw"):
+                    ms = await train_batch_ms(client, sequences, way == "raw", args.batch_calls)
+                    rows.setdefault(f"{way} {name}", []).append(ms)
         await client.shutdown()
     raw.sock.close()
     return rows
@@ -172,13 +256,14 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 64])
     parser.add_argument("--pings", type=int, default=1000, help="no-op calls per latency measurement")
+    parser.add_argument("--batch-calls", type=int, default=20, help="train-step calls per batch, way and run")
     parser.add_argument("--quick", action="store_true", help="one run, small counts (smoke test)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         return serve()
     if args.quick:
-        args.runs, args.pings = 1, 50
+        args.runs, args.pings, args.batch_calls = 1, 50, 3
     server = subprocess.Popen([sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True)
     try:
         addresses = json.loads(server.stdout.readline())
@@ -209,6 +294,18 @@ def report(rows: dict[str, list[float]], args) -> None:
     big = max(args.sizes_mib)
     ratio = median([a / b for a, b in zip(rows[f"rpc {big:g} MiB"], rows[f"raw {big:g} MiB"], strict=True)])
     print(f"rpc / raw at {big:g} MiB = {ratio:.2f} (goal >= 0.5): {'met' if ratio >= 0.5 else 'missed'}")
+    print()
+    out = []
+    for name, (samples, prompt, completion) in BATCHES.items():
+        sequences = train_batch(samples, prompt, completion)
+        json_kib = len(encode(JsonTrainStep([JsonSequence(**vars(s)) for s in sequences], 1.0))) / 1024
+        raw_kib = len(encode(TrainStep(SequenceBatch.pack(sequences), 1.0))) / 1024
+        js, rw = rows[f"json {name}"], rows[f"raw {name}"]
+        ratio = median([a / b for a, b in zip(js, rw, strict=True)])
+        each = ", ".join(f"{a:.1f}/{b:.1f}" for a, b in zip(js, rw, strict=True))
+        out.append([name, json_kib, raw_kib, median(js), median(rw), ratio, each])
+    header = ["train step batch", "JSON KiB", "raw KiB", "JSON ms", "raw ms", "JSON / raw time", "each run (JSON/raw)"]
+    print(table(header, out))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The trainer ranks as the controller sees them: one RPC endpoint per rank, called in lockstep.
 
 Every method is collective on the trainers' side (FSDP gathers, the optimizer step), so each call goes
-to every rank at once; rank r gets its own shard where there is one. Replies are gathered in rank order.
+to every rank at once; rank r gets its own shard where there is one, packed into a SequenceBatch (flat
+tensors, which travel as raw bytes). Replies are gathered in rank order.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from hpcrl.rpc.messages import (
     LoadCheckpoint,
     PushWeights,
     SaveCheckpoint,
+    SequenceBatch,
     SequenceData,
     TrainStep,
     WeightSpecsRequest,
@@ -40,12 +42,14 @@ class Trainers:
 
     async def train_step(self, shards: list[list[SequenceData]]) -> dict[str, float]:
         """One optimizer step on the global batch split in ``shards`` (one per rank); global metrics."""
-        replies = await self.rpc.call("train_step", [TrainStep(s, self.temperature) for s in shards])
+        requests = [TrainStep(SequenceBatch.pack(s), self.temperature) for s in shards]
+        replies = await self.rpc.call("train_step", requests)
         return replies[0].metrics
 
     async def compute_logprobs(self, shards: list[list[SequenceData]]) -> list[list[list[float]]]:
         """Per-token logprobs of the current policy for each shard's sequences (one forward, no update)."""
-        replies = await self.rpc.call("compute_logprobs", [ComputeLogprobs(s, self.temperature) for s in shards])
+        requests = [ComputeLogprobs(SequenceBatch.pack(s), self.temperature) for s in shards]
+        replies = await self.rpc.call("compute_logprobs", requests)
         return [reply.logprobs for reply in replies]
 
     async def export(self, path) -> None:

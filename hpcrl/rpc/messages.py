@@ -7,7 +7,9 @@ register their own messages with ``@register``; names must be unique.
 
 from __future__ import annotations
 
+import array
 import dataclasses
+import itertools
 from typing import TypeVar
 
 import torch
@@ -73,9 +75,10 @@ class ErrorReply:
 # --- trainer --------------------------------------------------------------------------------------------
 
 
-@register
 @dataclasses.dataclass
 class SequenceData:
+    """One sequence as the controller builds it; a batch of them travels packed, as a SequenceBatch."""
+
     input_ids: list[int]  # prompt + completion token ids
     loss_mask: list[int]  # 1 where the token is trained on (completion), 0 elsewhere; same length
     advantage: float  # the sequence's advantage, broadcast to its tokens
@@ -85,10 +88,139 @@ class SequenceData:
     versions: list[int] | None  # weight version that generated each token; None for prompt-only data
 
 
+# SequenceBatch's per-token tensors: (field, dtype, array typecode). Token ids and versions fit in int32
+# (vocabularies and version counters are far below 2**31); logprobs travel as float32, the precision the
+# trainer computes them in (its MicroBatch tensors are float32), so a float32 value arrives bit for bit.
+_PER_TOKEN = (
+    ("input_ids", torch.int32, "i"),
+    ("loss_mask", torch.bool, "b"),
+    ("old_logprobs", torch.float32, "f"),
+    ("prox_logprobs", torch.float32, "f"),
+    ("ref_logprobs", torch.float32, "f"),
+    ("versions", torch.int32, "i"),
+)
+_OPTIONAL = ("old_logprobs", "prox_logprobs", "ref_logprobs", "versions")
+
+
+@register
+@dataclasses.dataclass
+class SequenceBatch:
+    """Sequences packed into flat tensors, token after token: sequence i holds the ``lengths[i]`` tokens that
+    start at ``sum(lengths[:i])`` of every per-token tensor. Its raw bytes travel outside the JSON header, so a
+    train step's batch costs one memcpy a field instead of a JSON number a token. Build it with ``pack``; the
+    receiver gets the same sequences back with ``unpack``. Checked on construction, so a malformed frame is
+    refused by the decoder naming the field."""
+
+    lengths: torch.Tensor  # int64 [N]: tokens of each sequence, >= 0
+    input_ids: torch.Tensor  # int32 [sum(lengths)]: every sequence's prompt + completion token ids
+    loss_mask: torch.Tensor  # bool [sum(lengths)]: True where the token is trained on
+    advantages: torch.Tensor  # float64 [N]: each sequence's advantage (a Python float, kept exactly)
+    old_logprobs: torch.Tensor | None  # float32 [sum(lengths)], or None when no sequence has them
+    prox_logprobs: torch.Tensor | None  # float32 [sum(lengths)], or None
+    ref_logprobs: torch.Tensor | None  # float32 [sum(lengths)], or None
+    versions: torch.Tensor | None  # int32 [sum(lengths)]: weight version per token (-1 on prompts), or None
+
+    def __post_init__(self) -> None:
+        _check_tensor(self.lengths, "lengths", torch.int64, None)
+        if self.lengths.numel() and int(self.lengths.min()) < 0:
+            raise ValueError(f"lengths: must be >= 0, got {int(self.lengths.min())}")
+        total = int(self.lengths.sum())
+        _check_tensor(self.advantages, "advantages", torch.float64, len(self.lengths))
+        for name, dtype, _ in _PER_TOKEN:
+            value = getattr(self, name)
+            if value is not None or name not in _OPTIONAL:
+                _check_tensor(value, name, dtype, total)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @classmethod
+    def pack(cls, sequences: list[SequenceData]) -> SequenceBatch:
+        """Every sequence's fields, concatenated; raises ValueError naming the sequence and field that do not fit."""
+        for i, seq in enumerate(sequences):
+            _check_sequence(seq, i)
+        fields = {}
+        for name, dtype, code in _PER_TOKEN:
+            if name in _OPTIONAL and _absent(sequences, name):
+                fields[name] = None
+                continue
+            values = list(itertools.chain.from_iterable(getattr(s, name) for s in sequences))  # faster than a generator
+            try:
+                flat = array.array(code, values)
+            except (TypeError, OverflowError) as e:
+                raise ValueError(f"{name}: a value does not fit {dtype} ({type(e).__name__}: {e})") from None
+            fields[name] = _from_array(flat, dtype)
+        advantages = array.array("d", [s.advantage for s in sequences])
+        lengths = array.array("q", [len(s.input_ids) for s in sequences])
+        return cls(_from_array(lengths, torch.int64), advantages=_from_array(advantages, torch.float64), **fields)
+
+    def unpack(self) -> list[SequenceData]:
+        """The sequences ``pack`` was given, in order: the same ids, mask, advantages and versions, and
+        logprobs as float32 values (which every logprob from an inference server already is)."""
+        bounds = list(itertools.accumulate(self.lengths.tolist(), initial=0))
+        columns = {name: _to_list(getattr(self, name)) for name, _, _ in _PER_TOKEN}
+        return [
+            SequenceData(
+                advantage=advantage,
+                **{name: None if c is None else c[start:end] for name, c in columns.items()},
+            )
+            for start, end, advantage in zip(bounds[:-1], bounds[1:], self.advantages.tolist(), strict=True)
+        ]
+
+
+def _check_tensor(value: object, name: str, dtype: torch.dtype, numel: int | None) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name}: expected a tensor, got {type(value).__name__}")
+    if value.dtype != dtype or value.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D {dtype} tensor, got {value.dim()}-D {value.dtype}")
+    if numel is not None and value.numel() != numel:
+        raise ValueError(f"{name}: has {value.numel()} entries, expected {numel} (from lengths)")
+
+
+def _check_sequence(seq: SequenceData, index: int) -> None:
+    if not isinstance(seq, SequenceData):
+        raise ValueError(f"sequence {index}: expected SequenceData, got {type(seq).__name__}")
+    if isinstance(seq.advantage, bool) or not isinstance(seq.advantage, int | float):
+        raise ValueError(f"sequence {index}: advantage must be a float, got {type(seq.advantage).__name__}")
+    for name, _, _ in _PER_TOKEN:
+        value = getattr(seq, name)
+        if value is None and name in _OPTIONAL:
+            continue
+        if not isinstance(value, list | tuple) or len(value) != len(seq.input_ids):
+            got = f"{len(value)} entries" if isinstance(value, list | tuple) else type(value).__name__
+            raise ValueError(f"sequence {index}: {name} must be a list as long as input_ids, got {got}")
+    try:
+        mask_values = set(seq.loss_mask)
+    except TypeError:  # an unhashable entry
+        mask_values = {None}
+    if not mask_values <= {0, 1}:  # a float 1.0 passes here and is refused by the int8 array
+        raise ValueError(f"sequence {index}: loss_mask values must be 0 or 1")
+
+
+def _absent(sequences: list[SequenceData], name: str) -> bool:
+    """True when no sequence has the optional field; refused when only some do (a batch packs one tensor)."""
+    present = [getattr(s, name) is not None for s in sequences]
+    if any(present) and not all(present):
+        raise ValueError(f"sequence {present.index(False)}: has no {name} while others have it; set it on all or none")
+    return not any(present)
+
+
+def _from_array(values: array.array, dtype: torch.dtype) -> torch.Tensor:
+    if not values:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(values, dtype=torch.uint8).view(dtype)  # shares the array's memory, keeps it alive
+
+
+def _to_list(t: torch.Tensor | None) -> list | None:
+    if t is None:
+        return None
+    return (t.to(torch.int8) if t.dtype == torch.bool else t).tolist()
+
+
 @register
 @dataclasses.dataclass
 class TrainStep:
-    sequences: list[SequenceData]  # this rank's shard of the batch
+    batch: SequenceBatch  # this rank's shard of the batch
     temperature: float  # sampling temperature the logits are divided by
 
 
@@ -101,7 +233,7 @@ class TrainStepResult:
 @register
 @dataclasses.dataclass
 class ComputeLogprobs:
-    sequences: list[SequenceData]  # this rank's shard
+    batch: SequenceBatch  # this rank's shard
     temperature: float  # sampling temperature the logits are divided by
 
 

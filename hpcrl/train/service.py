@@ -7,7 +7,6 @@ RPC server runs the handlers one at a time, in arrival order, so the ranks' coll
 from __future__ import annotations
 
 import os
-from dataclasses import asdict
 
 from hpcrl.config.schema import Config
 from hpcrl.net import PortAllocator
@@ -23,6 +22,7 @@ from hpcrl.rpc.messages import (
     Pong,
     PushWeights,
     SaveCheckpoint,
+    SequenceBatch,
     TrainerInfo,
     TrainerState,
     TrainStep,
@@ -93,7 +93,7 @@ class TrainerService:
         takes them once per step, for the whole batch, before its first update (``compute_logprobs``), since
         with ``algorithm.updates_per_batch > 1`` this policy has changed by the second call.
         """
-        sequences = [Sequence(**asdict(s)) for s in msg.sequences]
+        sequences = _sequences(msg.batch)
         if self.decoupled and any(s.prox_logprobs is None for s in sequences):
             raise ValueError(
                 "algorithm.behavior_weight_cap > 0 (decoupled PPO) needs prox_logprobs on every sequence: the "
@@ -105,7 +105,7 @@ class TrainerService:
         return TrainStepResult(self.engine.train_step(sequences, self.loss_fn, msg.temperature))
 
     def compute_logprobs(self, msg: ComputeLogprobs) -> LogprobsResult:
-        sequences = [Sequence(**asdict(s)) for s in msg.sequences]
+        sequences = _sequences(msg.batch)
         return LogprobsResult(self.engine.sequence_logprobs(sequences, msg.temperature))
 
     def export_weights(self, msg: ExportWeights) -> Ack:
@@ -148,3 +148,8 @@ class TrainerService:
             leave_weight_group(self.group)
             self.group = None
         return Ack()
+
+
+def _sequences(batch: SequenceBatch) -> list[Sequence]:
+    """The engine's rows of a packed batch (the wire's SequenceData fields are Sequence's, in the same order)."""
+    return [Sequence(**vars(s)) for s in batch.unpack()]

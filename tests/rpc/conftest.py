@@ -17,6 +17,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 from hpcrl.net import parse_hostport
 from hpcrl.rpc import RpcServer
 from hpcrl.rpc.fields import field_types
+from hpcrl.rpc.messages import SequenceBatch, SequenceData
 
 TOKEN = "test-token-" + "x" * 32
 # hypothesis caches constants under ./.hypothesis even without an example database: keep the checkout clean
@@ -90,7 +91,15 @@ def sample(ann: Any, seed: int = 0) -> Any:
         return [sample(args[0], seed + i) for i in range(2)]
     if origin is dict:
         return {f"k{i}": sample(args[1], seed + i) for i in range(2)}
+    if ann is SequenceBatch:  # checked on construction: packed from sequences of different lengths
+        return SequenceBatch.pack([_sequence(3 + seed + i, seed) for i in range(2)])
     return ann(**{name: sample(t, seed) for name, t in field_types(ann).items()})
+
+
+def _sequence(length: int, seed: int) -> SequenceData:
+    logprobs = None if seed % 3 == 2 else [-0.25 * (i + seed) for i in range(length)]
+    ids, mask = [7 + seed + i for i in range(length)], [0] + [1] * (length - 1)
+    return SequenceData(ids, mask, 0.5 + seed, logprobs, logprobs, None, [seed] * length)
 
 
 def assert_same(a: Any, b: Any, path: str = "msg") -> None:

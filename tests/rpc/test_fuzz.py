@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hpcrl.rpc import MESSAGES, DecodeError, decode, encode
-from hpcrl.rpc.messages import Echo, SequenceData, TrainStep
+from hpcrl.rpc.messages import Echo, SequenceBatch, SequenceData, TrainStep
 from hpcrl.rpc.wire import ALIGN, MAGIC
 from tests.rpc.conftest import assert_same, sample
 
@@ -38,7 +38,8 @@ TENSORS = [
 ]
 FRAMES = [encode(sample(cls, seed)) for cls in MESSAGES.values() for seed in (0, 2)]
 FRAMES += [encode(Echo(TENSORS, "many dtypes")), encode(Echo([], ""))]
-FRAMES += [encode(TrainStep([SequenceData([1, 2], [0, 1], 1.0, [0.5, 0.25], None, None, [3, 3])] * 3, 1.0))]
+_SEQ = SequenceData([1, 2], [0, 1], 1.0, [0.5, 0.25], None, None, [3, 3])
+FRAMES += [encode(TrainStep(SequenceBatch.pack([_SEQ] * 3), 1.0))]
 
 
 def decodes_or_says_why(data: bytes) -> None:
@@ -147,15 +148,17 @@ def test_edited_json_headers(frame, data):
 
 @fuzz(300)
 @given(
-    st.lists(st.integers(-(2**63), 2**63 - 1), max_size=50),
+    st.lists(st.tuples(st.integers(-(2**31), 2**31 - 1), st.floats(allow_nan=False, width=32)), max_size=50),
     st.floats(allow_nan=False),
-    st.lists(st.floats(allow_nan=False, width=32), max_size=50) | st.none(),
+    st.booleans(),
     st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8]),
     st.lists(st.integers(0, 4), max_size=3),
     st.text(),
 )
-def test_valid_messages_round_trip(ids, advantage, logprobs, dtype, shape, note):
+def test_valid_messages_round_trip(tokens, advantage, has_logprobs, dtype, shape, note):
+    ids, logprobs = [i for i, _ in tokens], [lp for _, lp in tokens] if has_logprobs else None
     seq = SequenceData(ids, [1] * len(ids), advantage, logprobs, None, logprobs, None)
     t = (torch.arange(max(1, torch.Size(shape).numel())) % 3).to(dtype)[: torch.Size(shape).numel()].reshape(shape)
-    for msg in (TrainStep([seq], advantage), Echo([t, t.flatten()], note)):
+    for msg in (TrainStep(SequenceBatch.pack([seq]), advantage), Echo([t, t.flatten()], note)):
         assert_same(decode(encode(msg)), msg)
+    assert decode(encode(TrainStep(SequenceBatch.pack([seq]), 1.0))).batch.unpack() == [seq]

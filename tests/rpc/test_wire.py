@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hpcrl.rpc import MESSAGES, DecodeError, EncodeError, decode, encode, encode_parts, register
-from hpcrl.rpc.messages import Ack, Echo, Ping, Pong, SequenceData, TrainStep
+from hpcrl.rpc.messages import Ack, Echo, Ping, Pong, SequenceBatch, SequenceData, TrainStep
 from hpcrl.rpc.wire import ALIGN, MAGIC
 from tests.rpc.conftest import assert_same, sample
 
@@ -109,7 +109,7 @@ def test_encode_parts_does_not_copy_tensor_bytes():
 
 
 def test_float_field_accepts_int_and_keeps_float():
-    out = decode(encode(TrainStep([], temperature=1)))
+    out = decode(encode(TrainStep(SequenceBatch.pack([]), temperature=1)))
     assert out.temperature == 1.0 and type(out.temperature) is float
 
 
@@ -118,9 +118,9 @@ def test_float_field_accepts_int_and_keeps_float():
     [
         (Pong(rank="0", pid=1), "Pong.rank: expected int, got str"),
         (Pong(rank=True, pid=1), "Pong.rank: expected int, got bool"),
-        (TrainStep([SequenceData([1], [1], "x", None, None, None, None)], 1.0), "sequences[0].advantage"),
+        (TrainStep(SequenceBatch.pack([]), "x"), "TrainStep.temperature: expected float"),
         (Echo([torch.zeros(2), "not a tensor"], ""), "Echo.tensors[1]: expected torch.Tensor"),
-        (TrainStep(sequences=None, temperature=1.0), "expected list"),
+        (TrainStep(batch=None, temperature=1.0), "TrainStep.batch: expected SequenceBatch"),
     ],
 )
 def test_encode_refuses_wrong_field_types(msg, fragment):
@@ -191,7 +191,7 @@ BAD_FRAMES = {
     "data tail": (_edit(lambda h: h["tensors"].pop() and h["body"]["tensors"].pop()), "tensors end at 16"),
     "bool bytes": (_valid()[:-2] + b"\x07" + _valid()[-1:], "bool tensor holds bytes"),
     "huge float": (
-        _edit(lambda h: h.update(type="TrainStep", body={"sequences": [], "temperature": 10**400})),
+        join({"type": "HostWeightGroup", "body": {"timeout_s": 10**400}, "tensors": []}, b""),
         "too large",
     ),
 }
@@ -222,7 +222,7 @@ def test_json_nesting_bomb_is_a_decode_error():
 
 def test_nested_messages_and_optional_fields():
     seq = SequenceData([1, 2, 3], [0, 1, 1], -0.5, [0.1, 0.2, 0.3], None, [float("-inf")] * 3, None)
-    out = decode(encode(TrainStep([seq, seq], 0.7)))
-    assert out.sequences[0].prox_logprobs is None and out.sequences[1].ref_logprobs[0] == float("-inf")
-    assert_same(out, TrainStep([seq, seq], 0.7))
+    out = decode(encode(TrainStep(SequenceBatch.pack([seq, seq]), 0.7)))
+    assert out.batch.prox_logprobs is None and out.batch.unpack()[1].ref_logprobs[0] == float("-inf")
+    assert_same(out, TrainStep(SequenceBatch.pack([seq, seq]), 0.7))
     assert_same(decode(encode(Ack())), Ack())
