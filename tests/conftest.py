@@ -63,3 +63,21 @@ def run_torchrun(argv: list[str], timeout_s: float, describe: str = "torchrun") 
         pytest.fail(f"{describe} hung for {timeout_s} s:\n{output[-6000:]}")
     assert proc.returncode == 0, f"{describe} failed:\n{output[-6000:]}"
     return output
+
+
+# the tests that use the test Slurm: under pytest-xdist (pyproject's addopts: -n 2) they run one after another in
+# one worker, as they share its nodes; every other test is spread over the workers beside them
+SLURM_TESTS = ("tests/slurm/", "tests/doctor/test_slurm.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scheduling by scope, with one scope for the Slurm tests and one per test for the rest (xdist's own
+    ``xdist_group`` marks do not reach its scheduler under pytest 9.2, which keeps the node id elsewhere)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SlurmTestsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "slurm" if nodeid.startswith(SLURM_TESTS) else nodeid
+
+    return SlurmTestsTogether(config, log)
