@@ -256,7 +256,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 64])
     parser.add_argument("--pings", type=int, default=1000, help="no-op calls per latency measurement")
-    parser.add_argument("--batch-calls", type=int, default=20, help="train-step calls per batch, way and run")
+    parser.add_argument("--batch-calls", type=int, default=10, help="train-step calls per batch, way and run")
     parser.add_argument("--quick", action="store_true", help="one run, small counts (smoke test)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

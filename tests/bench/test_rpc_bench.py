@@ -11,3 +11,6 @@ def test_rpc_bench_prints_throughput_and_latency(run_bench):
     latency = assert_table(out, "latency", "p50 us", "p99 us")
     assert all(float(r[1]) <= float(r[2]) for r in latency), out
     assert "rpc / raw at 64 MiB" in out
+    batches = assert_table(out, "train step batch", "JSON KiB", "raw KiB", "JSON ms", "raw ms", "JSON / raw time")
+    assert [r[0] for r in batches] == ["default job (64x8, 4+2 tokens)", "64x8, 256+256 tokens"]
+    assert all(float(r[2]) < float(r[1]) for r in batches), out  # raw tensors are smaller than JSON lists
