@@ -20,37 +20,42 @@ from tests.config.compose import load
 from tests.conftest import REPO
 from tests.rollout.test_multi_turn import Recording, resumed_event, run
 
-ROWS = 40  # held-out rows of the default task (run.seed 0)
+ROWS = 100  # held-out rows of the default task (run.seed 0): enough that the calculator's result decides some
 
 
 def ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def greedy_answers(server, rows: list[dict[str, str]]) -> tuple[list[str], int]:
+def greedy_answers(server, rows: list[dict[str, str]], shift: int = 0) -> tuple[list[str], list[list[int]]]:
     """The agent's final answer to each row, greedily, from /generate (tiny_tools: a turn is its bare text, a call is
-    ``?`` and a tool result is followed by ``=``); and how many rows called the calculator."""
+    ``?`` and a tool result is followed by ``=``); and every prompt the agent sends. The calculator answers the
+    question itself, (a + b) mod 10: the row's answer (plus ``shift``, a calculator that is wrong)."""
     tokenizer = load_tokenizer(server.model)
     greedy = {"max_new_tokens": 1, "temperature": 0.0}
-    first = server.generate_many([{"input_ids": ids(tokenizer, r["prompt"]), "sampling_params": greedy} for r in rows])
+    prompts = [ids(tokenizer, r["prompt"]) for r in rows]
+    first = server.generate_many([{"input_ids": p, "sampling_params": greedy} for p in prompts])
     called = [i for i, answer in enumerate(first) if answer["output_ids"] == ids(tokenizer, "?")]
-    # the calculator answers the question itself: (a + b) mod 10, the row's answer
-    second = server.generate_many(
-        [
-            {"input_ids": ids(tokenizer, f"{rows[i]['prompt']}?{rows[i]['answer']}="), "sampling_params": greedy}
-            for i in called
-        ]
-    )
+    results = {i: str((int(rows[i]["answer"]) + shift) % 10) for i in called}
+    again = [ids(tokenizer, f"{rows[i]['prompt']}?{results[i]}=") for i in called]
+    second = server.generate_many([{"input_ids": p, "sampling_params": greedy} for p in again]) if again else []
     final = [a["output_ids"] for a in first]
     for i, answer in zip(called, second, strict=True):
         final[i] = answer["output_ids"]
-    return [tokenizer.decode(out, skip_special_tokens=True) for out in final], len(called)
+    return [tokenizer.decode(out, skip_special_tokens=True) for out in final], prompts + again
 
 
-def expected_accuracy(server, rows) -> float:
-    answers, called = greedy_answers(server, rows)
-    assert 0 < called < len(rows), f"{called} of {len(rows)} rows call the calculator: both paths must be taken"
+def accuracy_of(rows, answers) -> float:
     return sum(mod10(r["prompt"], a, r["answer"]) for r, a in zip(rows, answers, strict=True)) / len(rows)
+
+
+def expected_accuracy(server, rows) -> tuple[float, list[list[int]]]:
+    """The greedy answers' accuracy and the prompts sent; the test is only as good as these answers are telling."""
+    answers, sent = greedy_answers(server, rows)
+    assert len(rows) < len(sent) < 2 * len(rows), "some rows must call the calculator, and some not"
+    wrong, _ = greedy_answers(server, rows, shift=1)
+    assert accuracy_of(rows, wrong) != accuracy_of(rows, answers), "a wrong calculator result must show"
+    return accuracy_of(rows, answers), sent
 
 
 def held_out(size: int = ROWS, seed: int = 0) -> list[dict[str, str]]:
@@ -58,7 +63,7 @@ def held_out(size: int = ROWS, seed: int = 0) -> list[dict[str, str]]:
 
 
 def test_the_standalone_evaluation_prints_the_accuracy_of_the_greedy_answers(agent_server):
-    expected = expected_accuracy(agent_server, held_out())
+    expected, _ = expected_accuracy(agent_server, held_out())
     cmd = [sys.executable, "-m", "hpcrl.rollout.agents.evaluate", "--base-url", f"{agent_server.url}/v1"]
     result = subprocess.run([*cmd, "--eval-size", str(ROWS)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -98,13 +103,17 @@ def test_the_same_agent_through_hpcrls_proxy_has_the_same_held_out_accuracy(agen
                 calculator_agent, client, tokenizer, chat, sampling, 8, Mod10Rewards(), resumed_event()
             )
             try:
-                return await workflow.accuracy(rows), client.params
+                return (await workflow.accuracy(rows), client.params), client.calls
             finally:
                 await workflow.aclose()
 
-    measured, params = run(accuracy())
-    assert measured == expected_accuracy(agent_server, rows)
-    assert len(params) > ROWS and {p["temperature"] for p in params} == {0.0}, "every request greedy"
+    (measured, params), calls = run(accuracy())
+    expected, sent = expected_accuracy(agent_server, rows)
+    assert measured == expected
+    assert sorted(prompt for prompt, _ in calls) == sorted(sent), (
+        "the questions, and the tool results as the template writes them"
+    )
+    assert {p["temperature"] for p in params} == {0.0}, "every request greedy"
 
 
 def test_a_run_directory_gives_the_agent_reward_rows_and_sampling_of_the_runs_own_evaluation(tmp_path):
