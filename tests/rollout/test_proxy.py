@@ -400,3 +400,26 @@ def test_the_episodes_stop_strings_end_an_answer_as_the_requests_own_do(agent_se
     text = tokenizer.decode(recorded.output_ids, skip_special_tokens=True)
     assert text.endswith(stop) and default.choices[0].finish_reason == own.choices[0].finish_reason == "stop"
     assert default.choices[0].text == own.choices[0].text == text[: -len(stop)], "the stop string is not shown"
+
+
+def test_a_request_in_flight_when_its_episode_ends_is_a_410_and_is_not_recorded(agent_server):
+    tokenizer = load_tokenizer(agent_server.model)
+
+    async def episode():
+        async with proxy_on([agent_server.address], tokenizer) as proxy:
+            log = proxy.open(EPISODE, EPISODE_SEED)
+            ask = {"model": "m", "prompt": "3+4=", "max_tokens": 500, "extra_body": NO_EOS}  # a long generation
+            request = asyncio.ensure_future(agent_client(proxy.base_url(log)).completions.create(**ask))
+            for _ in range(500):  # until the proxy serves it (a deadline: 5 s)
+                if log.tasks or request.done():
+                    break
+                await asyncio.sleep(0.01)
+            assert log.tasks, "the request never reached the proxy"
+            proxy.close_episode(log)
+            with pytest.raises(openai.APIStatusError) as ended:
+                await request
+            return ended.value, log
+
+    error, log = run(episode())
+    assert error.status_code == 410 and "the episode ended while this request was served" in error.message
+    assert log.completions == [] and log.requests == 1
