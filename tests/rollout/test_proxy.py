@@ -13,8 +13,9 @@ from hpcrl.inference.client import ContextLengthError, GenerateResult, Inference
 from hpcrl.inference.openai.chat import ChatFormat
 from hpcrl.models.tiny import make_tokenizer
 from hpcrl.models.tokenizer import load_tokenizer
+from hpcrl.net import PortAllocator, has_ipv6
 from hpcrl.rollout.agents.mod10 import CALCULATOR
-from hpcrl.rollout.proxy.server import MODEL, Proxy
+from hpcrl.rollout.proxy.server import MODEL, Proxy, loopback
 from hpcrl.rollout.workflows.base import derive_seed, version_number
 from tests.inference.conftest import free_port
 from tests.rollout.test_multi_turn import resumed_event, run
@@ -423,3 +424,28 @@ def test_a_request_in_flight_when_its_episode_ends_is_a_410_and_is_not_recorded(
     error, log = run(episode())
     assert error.status_code == 410 and "the episode ended while this request was served" in error.message
     assert log.completions == [] and log.requests == 1
+
+
+@pytest.mark.skipif(not has_ipv6(), reason="this machine cannot bind ::1")
+def test_an_ipv6_runs_proxy_listens_on_its_loopback_at_a_port_of_its_slice(agent_server):
+    tokenizer = load_tokenizer(agent_server.model)
+    ports = PortAllocator(rank=3, world_size=8)
+
+    async def episode():
+        async with InferenceClient([agent_server.address], max_retries=0) as client:
+            chat = ChatFormat(tokenizer, "tiny_tools", "tiny")
+            proxy = Proxy(client, tokenizer, chat, resumed_event(), host=loopback("fd00::17"), ports=ports)
+            await proxy.start()
+            try:
+                log = proxy.open(EPISODE, EPISODE_SEED)
+                reply = await agent_client(proxy.base_url(log)).completions.create(model="m", prompt="3+4=")
+                with pytest.raises(OSError):  # not on the IPv4 loopback, nor on any other address
+                    await asyncio.open_connection("127.0.0.1", proxy.port)
+                return proxy.base_url(log), proxy.port, reply, log
+            finally:
+                await proxy.close()
+
+    url, port, reply, log = run(episode())
+    low, high = ports.slice
+    assert url == f"http://[::1]:{port}/e/{log.key}/v1" and low <= port < high
+    assert [c.text for c in log.completions] == [reply.choices[0].text] and len(log.key) == 32
