@@ -50,6 +50,7 @@ def validate(cfg: Config) -> Config:
     check_train(cfg.train)
     check_rollout(cfg.rollout)
     check_workflow(cfg.workflow)
+    check_plugin_prompts(cfg.workflow, dataset)
     check_workflow_groups(cfg.workflow, cfg.algorithm.group_size)
     check_inference(cfg.inference)
     check_server_restart(cfg)
@@ -308,6 +309,17 @@ def check_workflow(w: WorkflowConfig) -> None:
     require(not w.verifier or ":" in w.verifier, "workflow.verifier", w.verifier, '"" or "module:function"')
     require(len(w.stages) >= 1, "workflow.stages", w.stages, "a list of at least one prompt template")
     one_of("workflow.train_on", w.train_on, ("all", "chosen"))
+
+
+def check_plugin_prompts(w: WorkflowConfig, d: DatasetConfig) -> None:
+    """A plug-in gets each row's prompt as written: the agent puts it in its own messages, which the episode's
+    proxy renders with ``workflow.chat_template`` (docs/agents.md), so the dataset's template is not applied."""
+    if ":" in w.name:
+        require(
+            d.chat_template != "true", "dataset.chat_template", d.chat_template,
+            f"auto or false with a plug-in workflow ({w.name}): its proxy renders the agent's messages with "
+            "workflow.chat_template, so the prompt is not templated first",
+        )  # fmt: skip
 
 
 def check_workflow_groups(w: WorkflowConfig, group_size: int) -> None:

@@ -3,6 +3,7 @@
     model.path          a directory with config.json, tokenizer files and weights (model.source=local)
     dataset files       dataset.train_files and dataset.eval_files exist, as .jsonl, .json or .parquet files
     metrics.loggers     wandb is installed when it is named
+    workflow            a plug-in's .jinja chat template exists
     tiny-task settings  a warning naming each of the default job's settings left in force with a local model
 
 ``checks.validate`` is not the place: every worker validates the run's config.yaml on its own node, where
@@ -44,6 +45,9 @@ def preflight(cfg: Config) -> None:
         check_model_dir(cfg.model.path)
     for key in ("train_files", "eval_files"):
         check_data_files(f"dataset.{key}", getattr(cfg.dataset, key))
+    template = cfg.workflow.chat_template
+    if template.endswith(".jinja") and not Path(template).expanduser().is_file():
+        raise ConfigError("workflow.chat_template", template, f"a .jinja file: {Path(template).absolute()} is not one")
     if "wandb" in cfg.metrics.loggers and importlib.util.find_spec("wandb") is None:
         expected = "a list without wandb, or wandb installed: pip install 'hpcrl[wandb]'"
         raise ConfigError("metrics.loggers", cfg.metrics.loggers, expected)

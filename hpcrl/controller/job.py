@@ -176,10 +176,21 @@ FINAL_DIR = "final"  # <run dir>/final/: the trained model at the end of the run
 
 def prepare_rows(cfg: Config, train: list[dict], held_out: list[dict]) -> tuple[list[dict], list[dict]]:
     """The rows with each prompt as the model sees it (``hpcrl.data.chat``: the chat template on string prompts
-    under dataset.chat_template, and on chat-format rows). The tiny model's tokenizer is made with every character
-    (its template is the same whatever its alphabet); ``prepare_model`` then takes the alphabet from these prompts."""
+    under dataset.chat_template, and on chat-format rows); a plug-in's as written. The tiny model's tokenizer is
+    made with every character (its template is the same whatever its alphabet); ``prepare_model`` then takes the
+    alphabet from these prompts."""
     from hpcrl.data.chat import render_prompts
+    from hpcrl.data.files import DataError
 
+    if is_plugin(cfg.workflow.name):  # the agent's own messages are templated by its proxy (check_plugin_prompts)
+        rows = train + held_out
+        conversation = next((i for i, row in enumerate(rows) if row.get("messages")), None)
+        if conversation is not None:
+            raise DataError(
+                f"row {conversation} is a conversation (a list of messages); a plug-in workflow takes string prompts "
+                f"({cfg.workflow.name} puts each in messages of its own)"
+            )
+        return train, held_out
     if cfg.model.source == "local":
         from hpcrl.models.tokenizer import load_tokenizer
 

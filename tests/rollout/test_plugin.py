@@ -9,6 +9,9 @@ import uuid
 import pytest
 
 from hpcrl.config import ConfigError
+from hpcrl.config.preflight import preflight
+from hpcrl.controller.job import prepare_rows
+from hpcrl.data.files import DataError
 from hpcrl.inference.openai.templates import TINY_TOOLS
 from hpcrl.models.tiny import make_tokenizer
 from hpcrl.rollout.agents.mod10 import calculator_agent
@@ -181,3 +184,24 @@ def test_the_config_takes_a_plugin_it_has_not_imported_and_make_workflow_builds_
     assert (workflow.chat.template, workflow.chat.tool_parser) == (TINY_TOOLS, "tiny")
     assert (workflow.turn_discount, workflow.group_size) == (0.5, cfg.algorithm.group_size)
     assert workflow.sampling["max_new_tokens"] == 1 and workflow.name == "hpcrl.rollout.agents.mod10:calculator_agent"
+
+
+def test_a_plugin_refuses_the_dataset_template_and_a_missing_jinja_file(tmp_path):
+    """The agent's messages are templated by its proxy: dataset.chat_template=true would template the prompt
+    first (twice in all); a .jinja template that is not there fails before anything starts, not in a worker."""
+    with pytest.raises(ConfigError) as refused:
+        load("workflow.name=mytasks.flows:agent", "dataset.chat_template=true")
+    assert refused.value.path == "dataset.chat_template" and "plug-in" in refused.value.expected
+    missing = tmp_path / "agent.jinja"
+    with pytest.raises(ConfigError) as refused:
+        preflight(load("workflow.name=mytasks.flows:agent", f"workflow.chat_template={missing}"))
+    assert refused.value.path == "workflow.chat_template" and str(missing) in refused.value.expected
+
+
+def test_a_plugin_gets_each_prompt_as_written_and_conversation_rows_are_refused():
+    cfg = load("experiment=mod10_agent", "dataset.chat_template=auto")
+    rows = [{"prompt": "3+4=", "answer": "7"}], [{"prompt": "1+2=", "answer": "3"}]
+    assert prepare_rows(cfg, *rows) == rows  # untouched: no template, whatever the tokenizer has
+    conversation = {"prompt": "", "messages": '[{"role": "user", "content": "3+4="}]', "answer": "7"}
+    with pytest.raises(DataError, match=r"^row 1 is a conversation .* a plug-in workflow takes string prompts"):
+        prepare_rows(cfg, [rows[0][0], conversation], [])
