@@ -35,19 +35,21 @@ TINY_AGENT_SERVING = ("--chat-template", "tiny_tools", "--tool-call-parser", "ti
 PROMPTS, GROUP = 8, 8  # rollout.prompts_per_step, algorithm.group_size (the default's)
 
 
-def start_agent_job(tmp_path, *overrides: str) -> subprocess.Popen:
-    """The job with ``mytasks.flows:answer_twice`` on two rollout workers; ``mytasks`` is on PYTHONPATH only."""
+def plugin_overrides(tmp_path) -> list[str]:
+    """Write ``mytasks.flows:answer_twice`` under ``tmp_path/outside`` (PYTHONPATH's to be); the overrides that
+    run it."""
     package = tmp_path / "outside" / "mytasks"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
     (package / "flows.py").write_text(textwrap.dedent(AGENT))
+    workflow = ["workflow.name=mytasks.flows:answer_twice", "workflow.chat_template=tiny_tools"]
+    return [*workflow, "workflow.tool_parser=none", "rollout.max_new_tokens=1"]
+
+
+def start_agent_job(tmp_path, *overrides: str) -> subprocess.Popen:
+    """The job with ``mytasks.flows:answer_twice`` on two rollout workers; ``mytasks`` is on PYTHONPATH only."""
     cmd = [sys.executable, "-m", "hpcrl.main", f"run.root={tmp_path}", "run.trial=t", "eval.stop_at_accuracy=0"]
-    cmd += [
-        "workflow.name=mytasks.flows:answer_twice",
-        "workflow.chat_template=tiny_tools",
-        "workflow.tool_parser=none",
-    ]
-    cmd += [f"rollout.prompts_per_step={PROMPTS}", "rollout.workers=2", "reward.workers=1", "rollout.max_new_tokens=1"]
+    cmd += [*plugin_overrides(tmp_path), f"rollout.prompts_per_step={PROMPTS}", "rollout.workers=2", "reward.workers=1"]
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "outside")}
     return subprocess.Popen(
         [*cmd, *overrides], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -76,19 +78,17 @@ def test_an_agent_from_outside_the_package_runs_on_rollout_workers_and_outlives_
     assert not processes_of(str(run_dir)), "no process of the run outlives it"
 
 
-# experiment=mod10_agent's held-out accuracy here (run.seed 0): 0.105 at step 5, 0.575 at 40, 0.915 at 80 (README);
-# the test stops at 0.5 to keep the suite short, with a budget of 1.5x the steps it took
-AGENT_BUDGET, AGENT_TARGET = 60, 0.5
+# experiment=mod10_agent's held-out accuracy here (run.seed 0): 0.0 before, 0.16 at step 15, 0.575 at 40, 0.915 at
+# 80 (README; a run to 0.9 takes minutes here, so the suite trains 15 steps and checks it moved)
+AGENT_STEPS, AGENT_GAIN = 15, 0.1
 
 
-@pytest.mark.timeout(1200)
-def test_the_mod10_agent_learns_and_its_final_model_scores_the_same_without_hpcrls_loop(tmp_path):
-    """experiment=mod10_agent from below 0.3 to 0.5 held-out; then the exported model behind the CPU server's
-    OpenAI routes, evaluated by the same agent code with the run's rows and reward, scores what the run measured."""
-    overrides = ["experiment=mod10_agent", "run.trial=agent", f"run.max_steps={AGENT_BUDGET}", "eval.every_steps=5"]
-    summary = summary_of_run(run_job(tmp_path, *overrides, f"eval.stop_at_accuracy={AGENT_TARGET}", timeout=1100))
-    assert summary["eval_accuracy_before"] < 0.3, summary
-    assert summary["eval_accuracy_after"] >= AGENT_TARGET, f"no {AGENT_TARGET} in {AGENT_BUDGET} steps: {summary}"
+def test_the_mod10_agent_trains_and_its_final_model_scores_the_same_without_hpcrls_loop(tmp_path):
+    """experiment=mod10_agent gains held-out accuracy; then the exported model behind the CPU server's OpenAI
+    routes, evaluated by the same agent code with the run's rows and reward, scores what the run measured."""
+    overrides = ["experiment=mod10_agent", "run.trial=agent", f"run.max_steps={AGENT_STEPS}", "eval.stop_at_accuracy=0"]
+    summary = summary_of_run(run_job(tmp_path, *overrides, f"eval.every_steps={AGENT_STEPS}"))
+    assert summary["eval_accuracy_after"] >= summary["eval_accuracy_before"] + AGENT_GAIN, summary
     run_dir = tmp_path / "mod10_agent" / "agent"
     assert any(r["agent_tool_calls"] > 0 for r in metrics_of(run_dir)), "the model called the calculator"
     server = ServerProc(summary["final_model"], tmp_path / "server.log", "127.0.0.1", *TINY_AGENT_SERVING)

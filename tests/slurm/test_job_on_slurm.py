@@ -1,10 +1,12 @@
 """The default tiny job with its workers on the real test Slurm, whose nodes are hosts of their own: both submit
 modes (the heterogeneous job with rollout workers as a third component), both weight syncs, and a run whose
-own traffic is IPv6 only. With ``train.weight_sync=distributed`` the servers join a process group hosted by
+own traffic is IPv6 only, whose rollout workers run a plug-in agent from a module outside the package (its
+proxy on each node's ``::1``). With ``train.weight_sync=distributed`` the servers join a process group hosted by
 trainer rank 0 on its node, at a port chosen there: the log line names that node's address."""
 
 import ipaddress
 import json
+import os
 import re
 import subprocess
 import sys
@@ -14,6 +16,7 @@ import pytest
 
 from hpcrl.launch.registry import Registry
 from tests.conftest import REPO
+from tests.controller.test_agent_job import GROUP, plugin_overrides
 
 NODES = ipaddress.ip_network("198.51.100.0/24")
 HOST = ipaddress.ip_address("198.51.100.1")  # this machine on the test cluster's network: never a worker's
@@ -34,7 +37,11 @@ def test_tiny_job_runs_its_workers_as_slurm_jobs(slurm_cluster, job_prefix, tmp_
     cmd += [f"cluster.net.family={family}"]
     if mode == "hetjob":  # with rollout workers too: a third component
         cmd += ["rollout.workers=2", "reward.workers=1"]
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    env = dict(os.environ)
+    if family == "ipv6":  # the rollout workers import a user's agent, found on PYTHONPATH only
+        cmd += plugin_overrides(tmp_path)
+        env["PYTHONPATH"] = str(tmp_path / "outside")
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 3 and "eval_accuracy_after" in summary
@@ -47,6 +54,9 @@ def test_tiny_job_runs_its_workers_as_slurm_jobs(slurm_cluster, job_prefix, tmp_
     check_addresses(run_dir, family)
     if sync == "distributed":
         check_group_on_trainer_node(run_dir)
+    if family == "ipv6":  # every episode ran the plug-in: two completions each
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert all(r["agent_completions"] == 2 * 16 * GROUP for r in rows), rows
 
 
 def check_addresses(run_dir: Path, family: str) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.slurm.conftest import release_when_requeued, wait_for_job
-from tests.slurm.test_controller_job import experiment, job_folder
+from tests.slurm.test_controller_job import experiment, job_folder, job_folders
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -56,9 +56,7 @@ def test_the_launcher_job_checkpoints_requeues_and_resumes_on_the_signal(slurm_c
     sweep_dir = tmp_path / exp / "p"  # with -m: the job's run directory is p/0, the launcher's logs p/.submitit
     run_dir = sweep_dir / "0"
     deadline = time.monotonic() + 120
-    while not (sweep_dir / ".submitit").is_dir() or not [
-        p for p in (sweep_dir / ".submitit").iterdir() if p.name != "%j"
-    ]:
+    while not (sweep_dir / ".submitit").is_dir() or not job_folders(sweep_dir):  # files may come before the folder
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.3)
     job_id = job_folder(sweep_dir).name
