@@ -8,7 +8,7 @@ the most steps measured over run.seed 0 and 1.
 
 import pytest
 
-from tests.controller.test_job import metrics_of, run_job, summary_of
+from tests.controller.test_job import metrics_of, processes_of, run_job, summary_of
 
 # preset -> (overrides, step budget); measured steps to 0.8 (run.seed 0, 1): see README
 PRESETS = {
@@ -25,12 +25,15 @@ PRESETS = {
 def test_each_algorithm_takes_held_out_accuracy_from_below_03_to_08(tmp_path, preset):
     overrides, budget = PRESETS[preset]
     common = [f"run.trial={preset}", f"run.max_steps={budget}", "eval.every_steps=5", "eval.stop_at_accuracy=0.8"]
-    summary = summary_of(run_job(tmp_path, *common, *overrides, timeout=900))
+    result = run_job(tmp_path, *common, *overrides, timeout=900)
+    summary = summary_of(result)
     assert summary["eval_accuracy_before"] < 0.3, summary
     assert summary["eval_accuracy_after"] >= 0.8, f"{preset} did not reach 0.8 in {budget} steps: {summary}"
     rows = metrics_of(tmp_path / "default" / preset)
     accuracy = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r]
     assert accuracy[-1] >= 0.8 and all(a < 0.8 for a in accuracy[:-1]), "it stopped at the first eval at 0.8"
+    if preset == "grpo":  # the default job's algorithm: what every run gives its user, checked once here
+        check_run_outputs(result, summary, tmp_path / "default" / preset, rows)
     if preset == "ppo":  # its KL term to the frozen reference policy, reported every step
         assert all("kl" in r for r in rows)
     if preset == "dapo":  # checkpoints as it goes: the newest complete ones, trainer state and controller's
@@ -42,3 +45,18 @@ def test_each_algorithm_takes_held_out_accuracy_from_below_03_to_08(tmp_path, pr
     if "rollout.max_staleness=2" in overrides:
         assert max(r["staleness_max"] for r in rows) == 2, "the rollout ran two versions ahead"
         assert all("behavior_weight_mean" in r for r in rows)
+
+
+def check_run_outputs(result, summary, run_dir, rows) -> None:
+    """The summary line, a metrics row per step with its keys, TensorBoard events, the metrics plot, a progress
+    bar with the reward, and no process of the run left."""
+    assert set(summary) >= {"steps", "wall_s", "eval_accuracy_before", "eval_accuracy_after", "run_dir", "final_model"}
+    assert summary["run_dir"] == str(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, summary["steps"] + 1))
+    for key in ("reward_mean", "loss", "staleness_max", "time_step_s", "time_train_s", "time_rollout_wait_s"):
+        assert all(key in r for r in rows), key
+    assert rows[-1]["reward_mean"] > rows[0]["reward_mean"]
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run_dir / "metrics.png").stat().st_size > 10_000
+    assert "steps" in result.stderr and "reward=" in result.stderr, "a progress bar with the reward"
+    assert not processes_of(str(run_dir)), "no process of the run outlives it"

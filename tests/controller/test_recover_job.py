@@ -19,7 +19,7 @@ from tests.conftest import REPO
 from tests.controller.test_job import metrics_of, processes_of, run_job, summary_of
 
 # a step takes well under a second here: the budget leaves room for three kills however far each run gets
-MAX_STEPS, EVERY = 30, 2
+MAX_STEPS, EVERY = 12, 2  # kills land by step 6; the rerun goes on to 12
 SMALL = [f"checkpoint.every_steps={EVERY}", "recover.mode=auto", "eval.stop_at_accuracy=0", "eval.every_steps=0"]
 SMALL += ["rollout.prompts_per_step=8"]
 
