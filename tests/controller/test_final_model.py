@@ -83,7 +83,7 @@ def test_the_controller_log_has_a_line_per_step_and_per_evaluation(finished):
     for step, reward, accuracy, seconds in steps:
         m = metrics[int(step)]
         assert float(reward) == pytest.approx(m["reward_mean"], abs=5e-4)
-        assert float(seconds) == pytest.approx(m["time_step_s"], abs=5e-3)
+        assert float(seconds) == pytest.approx(m["time_step_s"], abs=5.1e-3)  # to 2 decimals: 0.415 may print 0.41
         assert (accuracy != "") == ("eval_accuracy" in m)
     evaluations = re.findall(r"evaluation at step (\d+): held-out greedy accuracy ([\d.]+)", log)
     assert [int(s) for s, _ in evaluations] == [3, 6]

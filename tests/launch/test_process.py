@@ -272,11 +272,12 @@ def test_a_parent_stopped_by_a_signal_leaves_no_child_alive(tmp_path, node, sign
 # A parent that promises to end within 2 s of a signal (end_within), owns a tree, and then will not stop:
 # it swallows the SystemExit the signal raises and goes on, as a busy or stuck controller would.
 STUBBORN = """
-import json, sys, time
+import json, signal, sys, time
 from pathlib import Path
 from hpcrl.launch import process
 from hpcrl.launch.process import ChildGroup
 
+signal.signal(signal.SIGINT, signal.default_int_handler)  # even if the test runner ignores SIGINT (xdist's workers)
 process.end_within(float(sys.argv[3]))
 out, node = Path(sys.argv[1]), sys.argv[2]
 with ChildGroup(grace_s=0.5) as group:
