@@ -238,15 +238,21 @@ def wait_for_state(job_id: str, state: str, timeout_s: float = 30) -> None:
         time.sleep(0.2)
 
 
+RELEASE_AFTER_S = 3.0  # after a requeue: the credential's revocation is by the second
+
+
 def release_when_requeued(job_id: str, timeout_s: float = 300) -> threading.Thread:
-    """Once JOB_ID is requeued, let it start at once: Slurm holds a requeued job for a fixed 2 minutes
-    (PENDING, reason BeginTime), which tests have no need to wait out. Runs on a thread of its own."""
+    """Once JOB_ID is requeued, let it start soon: Slurm holds a requeued job for a fixed 2 minutes (PENDING,
+    reason BeginTime), which tests have no need to wait out. Not at once: the node revoked the job's credential
+    when it was requeued, and one issued within the same second is refused ("Job credential revoked", the job
+    FAILED), so it is released RELEASE_AFTER_S later. Runs on a thread of its own."""
 
     def release() -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             state = _run(["squeue", "-h", "-j", job_id, "-o", "%T %r"]).stdout.split()
             if state == ["PENDING", "BeginTime"]:
+                time.sleep(RELEASE_AFTER_S)
                 _run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
                 return
             time.sleep(0.5)
