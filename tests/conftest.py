@@ -65,7 +65,7 @@ def run_torchrun(argv: list[str], timeout_s: float, describe: str = "torchrun") 
     return output
 
 
-# the tests that use the test Slurm: under pytest-xdist (pyproject's addopts: -n 2) they run one after another in
+# the tests that use the test Slurm: under pytest-xdist (pyproject's addopts: -n 3) they run one after another in
 # one worker, as they share its nodes (most of their time is waiting on Slurm); every other test is spread over the
 # workers beside them
 SLURM_TESTS = ("tests/slurm/", "tests/doctor/test_slurm.py")

@@ -7,6 +7,7 @@ Environment (besides what the scheduler sets):
   RANK_WORKER_GRANDCHILD=1       start a child process (a `sleep`) first, to test that trees are ended
 """
 
+import errno
 import os
 import socket
 import subprocess
@@ -29,9 +30,17 @@ extra = {key: os.environ.get(key) for key in ("RANK", "WORLD_SIZE", "HPCRL_WORLD
 if os.environ.get("RANK_WORKER_GRANDCHILD"):
     extra["grandchild"] = subprocess.Popen(["sleep", "120"]).pid
 
-port = worker_ports().allocate(1)[0]
 listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-listener.bind(("0.0.0.0", port))  # every interface; it advertises this node's own address, as workers do
+for attempt in range(
+    5
+):  # a port probed free may be taken before the bind (tests in other xdist workers), as workers retry
+    port = worker_ports().allocate(1)[0]
+    try:
+        listener.bind(("0.0.0.0", port))  # every interface; it advertises this node's own address, as workers do
+        break
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE or attempt == 4:
+            raise
 listener.listen(16)
 if not os.environ.get("RANK_WORKER_NEVER_READY"):
     registry = Registry(Path(os.environ["HPCRL_RUN_DIR"]) / "registry")
