@@ -36,27 +36,34 @@ class RewardSpecError(ValueError):
 def resolve(spec: str) -> RewardFn:
     """Import ``"package.module:function"`` and return the function; ``RewardSpecError`` if that fails."""
     module_name, attr = _split(spec)
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # ImportError, but also whatever the module raises while it is imported
-        raise RewardSpecError(
-            f"reward function {spec!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}. "
-            "The module must be importable in every process (installed, or on PYTHONPATH)"
-        ) from e
-    if not hasattr(module, attr):
-        defined = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        where = getattr(module, "__file__", None) or module_name
-        raise RewardSpecError(
-            f"reward function {spec!r}: module {module_name!r} ({where}) has no attribute {attr!r}; "
-            f"its public callables are: {', '.join(defined[:20]) or 'none'}"
-        )
-    fn = getattr(module, attr)
+    fn = import_named(module_name, attr, f"reward function {spec!r}", RewardSpecError, "every process")
     if not callable(fn):
         raise RewardSpecError(
             f"reward function {spec!r}: {module_name}.{attr} is a {type(fn).__name__}, not a callable; "
             "expected fn(prompt: str, completion: str, answer: str) -> float"
         )
     return fn
+
+
+def import_named(module_name: str, attr: str, named: str, error: type[Exception], importers: str) -> Any:
+    """``module_name.attr``, imported by name (rewards here, plug-in workflows in ``hpcrl/rollout/workflows``);
+    ``error`` with a message starting ``named`` if the module does not import (its cause) or lacks ``attr`` (its
+    public callables listed). ``importers``: the processes that must be able to import it."""
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # ImportError, but also whatever the module raises while it is imported
+        raise error(
+            f"{named}: cannot import module {module_name!r}: {type(e).__name__}: {e}. The module must be importable "
+            f"in {importers} (installed, or on PYTHONPATH)"
+        ) from e
+    if not hasattr(module, attr):
+        defined = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        where = getattr(module, "__file__", None) or module_name
+        raise error(
+            f"{named}: module {module_name!r} ({where}) has no attribute {attr!r}; its public callables are: "
+            f"{', '.join(defined[:20]) or 'none'}"
+        )
+    return getattr(module, attr)
 
 
 def to_reward(value: Any) -> float:

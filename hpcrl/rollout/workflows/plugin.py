@@ -9,10 +9,10 @@ run at once, naming the module. What it must be: ``base.py``'s episode contract,
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any
 
+from hpcrl.reward.registry import import_named
 from hpcrl.rollout.workflows.base import EpisodeFn
 
 EXAMPLE = "hpcrl.rollout.agents.mod10:calculator_agent"
@@ -30,21 +30,8 @@ def is_plugin(name: str) -> bool:
 def resolve(spec: str) -> EpisodeFn:
     """The episode function ``spec`` names (a class is instantiated); ``WorkflowSpecError`` if that fails."""
     module_name, attr = _split(spec)
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # ImportError, or whatever the module raises while it is imported
-        raise WorkflowSpecError(
-            f"workflow.name={spec!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}. The module must "
-            "be importable in every process that runs episodes (installed, or on PYTHONPATH)"
-        ) from e
-    if not hasattr(module, attr):
-        defined = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        where = getattr(module, "__file__", None) or module_name
-        raise WorkflowSpecError(
-            f"workflow.name={spec!r}: module {module_name!r} ({where}) has no attribute {attr!r}; its public "
-            f"callables are: {', '.join(defined[:20]) or 'none'}"
-        )
-    target = getattr(module, attr)
+    named, importers = f"workflow.name={spec!r}", "every process that runs episodes"
+    target = import_named(module_name, attr, named, WorkflowSpecError, importers)
     episode = _instance(spec, target) if inspect.isclass(target) else target
     call = episode if inspect.isfunction(episode) else inspect.getattr_static(type(episode), "__call__", None)
     if not inspect.iscoroutinefunction(call):
