@@ -408,6 +408,7 @@ MinJobAge=300
 KillWait=5
 # a node that stops answering (its link cut by a test) is DOWN after 30 s, not Slurm's default 300 s, so that
 # the jobs on it leave the queue in a time a test can wait for; a node back on the network returns by itself
+# when slurmctld next asks it to register (every 20 pings, up to 200 s), or at once on scontrol's state=resume
 SlurmdTimeout=30
 InactiveLimit=0
 Waittime=0

@@ -121,11 +121,14 @@ def test_a_node_cut_off_mid_run_fails_the_run_naming_it_cancels_every_job_and_th
     finally:
         if node is not None:
             subprocess.run([*cut(node)[:-1], "up"], check=False)
+            # back on the network, a DOWN node returns by itself only when slurmctld next asks it to register,
+            # which Slurm 22.05 does every 20 pings (up to 200 s here); an admin resumes it, and so does the test
+            subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], check=False)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     print(f"the run failed {took:.0f} s after the cut; its jobs left the queue {gone_after:.0f} s later")
     last = steps(run_dir)[-1]
-    wait_idle(slurm_cluster.nodes, 120)  # the node back on the network, up again
+    wait_idle(slurm_cluster.nodes, 120)  # the node back on the network and resumed, idle again
     rerun = [sys.executable, "-m", "hpcrl.main", "cluster=slurm_local", f"run.root={tmp_path}", "run.trial=cut"]
     rerun += [f"run.experiment={run_dir.parent.name}", "cluster.submit_mode=per_role", "recover.mode=auto"]
     rerun += [
