@@ -173,17 +173,25 @@ class InferenceClient:
     async def generate_many(
         self,
         input_ids: list[list[int]],
-        sampling_params: dict[str, Any],
+        sampling_params: dict[str, Any] | list[dict[str, Any]],
         *,
         return_logprob: bool = True,
         server: str | None = None,
     ) -> list[GenerateResult]:
-        """Generate from several prompts in one batched request to one server; results in prompt order."""
-        check_sampling(sampling_params)
-        if not input_ids or not all(input_ids):
-            raise ValueError("input_ids must be a non-empty list of non-empty prompts")
-        fitted = [self._fitted(len(ids), sampling_params) for ids in input_ids]
-        params: Any = sampling_params if all(p is sampling_params for p in fitted) else fitted
+        """Generate from several prompts in one batched request to one server; results in prompt order.
+        ``sampling_params`` is one dict for every prompt, or one per prompt (SGLang takes either)."""
+        if not input_ids:
+            raise ValueError("input_ids is an empty batch; it needs at least one prompt")
+        empty = [i for i, ids in enumerate(input_ids) if not ids]
+        if empty:
+            raise ValueError(f"input_ids[{empty[0]}] is empty; a prompt needs at least one token")
+        each = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(input_ids)
+        if len(each) != len(input_ids):
+            raise ValueError(f"sampling_params has {len(each)} entries for {len(input_ids)} prompts")
+        for one in {id(p): p for p in each}.values():
+            check_sampling(one)
+        fitted = [self._fitted(len(ids), p) for ids, p in zip(input_ids, each, strict=True)]
+        params: Any = sampling_params if all(f is p for f, p in zip(fitted, each, strict=True)) else fitted
         payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": return_logprob}
         chosen, answer = await self._http.call(
             self._chooser(server), "POST", "/generate", payload, count=len(input_ids)

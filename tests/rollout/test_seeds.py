@@ -32,6 +32,9 @@ class Recorder:
             n, reason = 1, "abort"
         return GenerateResult([5] * n, [-1.0] * n, reason, "0", "fake:1", {})
 
+    async def generate_many(self, input_ids, sampling_params, **kwargs):
+        return [await self.generate(ids, params) for ids, params in zip(input_ids, sampling_params, strict=True)]
+
 
 class Zero:
     async def score(self, items):

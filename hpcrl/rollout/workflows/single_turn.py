@@ -1,8 +1,10 @@
 """Single-turn RLVR: one prompt, a group of samples, each scored by the reward function.
 
-A weight update pauses the servers in ``abort`` mode: the interrupted request comes back with the
-tokens it had, and the sample goes on from there once generation resumes (the prompt plus those
-tokens, with the remaining token budget), so no work is lost and no sample is cut short by an update.
+The group goes to a server as one batched request (SGLang's ``input_ids`` as a list of prompts, one
+``sampling_params`` each): one HTTP round trip, not one per sample. A weight update pauses the servers in
+``abort`` mode: each interrupted sample comes back with the tokens it had, and goes on from there once
+generation resumes (the prompt plus those tokens, with the remaining token budget; a group's interrupted
+samples go on together in one request), so no work is lost and no sample is cut short by an update.
 """
 
 from __future__ import annotations
@@ -34,31 +36,63 @@ class SingleTurn:
     async def run(self, prompt: str, answer: str, seed: int | None = None) -> Group:
         prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         group = Group(prompt, answer, prompt_ids)
-        samples = (self.sample(prompt_ids, derive_seed(seed, "sample", i)) for i in range(self.group_size))
-        group.samples = list(await asyncio.gather(*samples))
+        seeds = [derive_seed(seed, "sample", i) for i in range(self.group_size)]
+        group.samples = await self.sample_group(prompt_ids, seeds)
         outcomes = await self.rewards.score([(prompt, s.text, answer) for s in group.samples])
         for sample, outcome in zip(group.samples, outcomes, strict=True):
             sample.reward, sample.reward_error = outcome.value, outcome.error
         return group
 
-    async def sample(self, prompt_ids: list[int], seed: int | None = None) -> Sample:
-        """One completion, resubmitted after an abort until its token budget or a stop ends it; with a ``seed``
-        every request carries a sampling seed of its own (a resubmission's is derived from the tokens so far)."""
+    async def sample_group(self, prompt_ids: list[int], seeds: list[int | None]) -> list[Sample]:
+        """One completion per seed, all in one batched request; after an abort, the interrupted ones are sent
+        again together, each from its tokens so far with its remaining budget, until every one has ended."""
         budget = self.sampling["max_new_tokens"]
-        out: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        while True:
+        samples = [Sample([], [], [], "") for _ in seeds]
+        pending = list(range(len(seeds)))
+        while pending:
             await self.resumed.wait()
-            params = {**self.sampling, "max_new_tokens": budget - len(out)}
-            if seed is not None:
-                params["sampling_seed"] = derive_seed(seed, len(out))
-            result = await self.client.generate(prompt_ids + out, params)
-            out += result.output_ids
-            logprobs += result.logprobs
-            versions += [version_number(result.weight_version)] * len(result.output_ids)
-            if result.finish_reason != "abort" or len(out) >= budget:
-                reason = result.finish_reason if result.finish_reason != "abort" else "length"
-                break
-        text = self.tokenizer.decode(out, skip_special_tokens=True)
-        return Sample(out, logprobs, versions, reason, text)
+            params = [self._params(budget, len(samples[i].output_ids), seeds[i]) for i in pending]
+            prompts = [prompt_ids + samples[i].output_ids for i in pending]
+            results = await self._generate(prompts, params)
+            for i, result in zip(pending, results, strict=True):
+                _extend(samples[i], result)
+            pending = [
+                i for i in pending if samples[i].finish_reason == "abort" and len(samples[i].output_ids) < budget
+            ]
+        for sample in samples:
+            sample.finish_reason = "length" if sample.finish_reason == "abort" else sample.finish_reason
+            sample.text = self.tokenizer.decode(sample.output_ids, skip_special_tokens=True)
+        return samples
+
+    async def _generate(self, prompts: list[list[int]], params: list[dict[str, Any]]) -> list[Any]:
+        """One request for all the prompts: a batch, or a plain request when there is one."""
+        if len(prompts) == 1:
+            return [await self.client.generate(prompts[0], params[0])]
+        return await self.client.generate_many(prompts, params)
+
+    def _params(self, budget: int, done: int, seed: int | None) -> dict[str, Any]:
+        """The sampling parameters of a request that has ``done`` of its ``budget`` tokens already."""
+        params = {**self.sampling, "max_new_tokens": budget - done}
+        if seed is not None:
+            params["sampling_seed"] = derive_seed(seed, done)
+        return params
+
+    async def sample(self, prompt_ids: list[int], seed: int | None = None) -> Sample:
+        """One completion (a group of one), resubmitted after an abort until its token budget or a stop ends it;
+        with a ``seed`` every request carries a sampling seed of its own (a resubmission's is derived from the
+        tokens so far)."""
+        (sample,) = await self.sample_group(prompt_ids, [seed])
+        return sample
+
+
+def _extend(sample: Sample, result: Any) -> None:
+    """Add one answer's tokens to a sample; its finish reason is the answer's."""
+    sample.output_ids += result.output_ids
+    sample.logprobs += result.logprobs
+    sample.versions += [version_number(result.weight_version)] * len(result.output_ids)
+    sample.finish_reason = result.finish_reason
+
+
+def _interrupted(sample: Sample, budget: int) -> bool:
+    """Whether an abort cut the sample short of its token budget (it goes on after the resume)."""
+    return sample.finish_reason == "abort" and len(sample.output_ids) < budget
