@@ -153,7 +153,8 @@ def test_two_workers_start_at_once_on_their_own_ports_and_both_run_episodes(tiny
                 # an episode that fails on its worker names it and brings the traceback; the worker stays
                 with pytest.raises(RolloutWorkerError, match=r"rollout worker \d at .* failed the episode") as err:
                     await remote.run({"prompt": "", "answer": "1"})
-                assert "is empty; a prompt needs at least one token" in str(err.value) and "remote traceback" in str(err.value)
+                assert "is empty; a prompt needs at least one token" in str(err.value)
+                assert "remote traceback" in str(err.value)
                 assert [w.rank for w in remote.live()] == [0, 1]
 
                 # SIGTERM (a scheduler's stop) and the shutdown RPC: each worker unregisters, ends its reward
