@@ -24,7 +24,7 @@ import os
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -315,12 +315,12 @@ class Engine:
     # ---- weights out -------------------------------------------------------------------------------
 
     def full_state_dict(self) -> dict[str, Tensor]:
-        """The unsharded float32 state dict on the CPU of rank 0; ``{}`` on the other ranks. Collective."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        """The unsharded float32 state dict on the CPU of rank 0; ``{}`` on the other ranks. Collective: one
+        all-gather per dtype (``hpcrl.train.gather``), not one per tensor."""
+        from hpcrl.train.gather import gather_full_state_dict
 
-        model, _ = self.require_setup()
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return cast(dict[str, Tensor], state)
+        model, info = self.require_setup()
+        return gather_full_state_dict(model, info.is_main)
 
     def export_hf(self, out_dir: str | Path) -> Path:
         """Write the model in the Hugging Face layout (safetensors) plus the tokenizer files to ``out_dir``.

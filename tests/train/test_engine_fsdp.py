@@ -86,6 +86,13 @@ def test_resume_from_the_sharded_checkpoint_is_bit_identical(runs):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_the_full_state_dict_gathered_in_one_collective_is_torchs_bit_for_bit(runs):
+    _, out = runs
+    result = json.loads((out / "gather.json").read_text())
+    assert result["same"], result
+    assert "model.embed_tokens.weight" in result["uneven"], "a tensor whose rows split unevenly over the ranks"
+
+
 def test_export_hf_loads_with_from_pretrained_and_holds_the_trained_weights(runs):
     from transformers import AutoModelForCausalLM
 

@@ -105,6 +105,20 @@ def write(out: Path, name: str, engine: Engine, metrics: list[dict], info: DistI
         save_file({k: v.clone() for k, v in state.items()}, out / f"{name}.safetensors")
 
 
+def check_gather(engine: Engine, out: Path, info: DistInfo) -> None:
+    """``gather.json``: whether ``full_state_dict``'s one all-gather per dtype gives torch's own full state dict
+    (``get_model_state_dict``, one collective per tensor) bit for bit, and the tensors whose rows split unevenly."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    ours = engine.full_state_dict()
+    model, _ = engine.require_setup()
+    theirs = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if info.is_main:
+        same = ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+        uneven = sorted(k for k, v in theirs.items() if v.dim() and v.shape[0] % info.world_size)
+        (out / "gather.json").write_text(json.dumps({"same": same, "tensors": len(ours), "uneven": uneven}))
+
+
 def check_logprobs(engine: Engine, model: str, out: Path, info: DistInfo) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -135,6 +149,7 @@ def train_phase(model: str, out: Path, info: DistInfo) -> None:
         write(out, f"{kind}_w{world}", engine, run_steps(engine, kind, steps, info), info)
     if world == 1:
         return
+    check_gather(engine, out, info)
     engine.export_hf(out / "export")
     save_checkpoint(engine, out / "ckpt")
     write(out, "step6_before", engine, run_steps(engine, "varying", range(STEPS, STEPS + 1), info), info)
