@@ -222,7 +222,7 @@ class RewardConfig:
     fn: str = "hpcrl.reward.builtin:mod10"  # "module:function" imported in each reward process (never pickled)
     timeout_s: float = 10.0  # seconds one reward call may take before it counts as failed
     on_error: str = "drop"  # a reward that raises or times out: drop its group | zero (score 0) | fail the run
-    workers: int = 2  # reward processes
+    workers: int = 2  # reward processes (none for a function marked @in_process, such as the builtin mod10)
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Reward functions shipped with hpcrl; name them in config as ``hpcrl.reward.builtin:<name>``.
 
-- ``mod10``: the default job's task, ``"a+b="`` -> ``(a+b) mod 10`` (see ``hpcrl.data.mod10``).
+- ``mod10``: the default job's task, ``"a+b="`` -> ``(a+b) mod 10`` (see ``hpcrl.data.mod10``); a string
+  comparison, marked ``@in_process``: it is scored in the calling process, with no reward processes.
 - ``math_verify_reward``: a final answer checked for mathematical equality with math-verify, so
   ``0.5``, ``1/2`` and ``\\frac{1}{2}`` all match ``1/2``.
 """
@@ -10,9 +11,12 @@ from __future__ import annotations
 import re
 import threading
 
+from hpcrl.reward.registry import in_process
+
 __all__ = ["extract_answer", "math_verify_reward", "mod10"]
 
 
+@in_process
 def mod10(prompt: str, completion: str, answer: str) -> float:
     """1.0 if the completion, stripped, starts with the answer digit, else 0.0."""
     target = answer.strip()

@@ -22,6 +22,9 @@ remaining items. A worker that dies mid-call (``os._exit``, a segfault, the OOM 
 item it was scoring and is replaced the same way; one found dead between batches fails no item. Other
 workers carry on meanwhile.
 
+A function marked ``@in_process`` (``hpcrl.reward.registry``; the builtin ``mod10`` is) starts no worker:
+``score`` calls it in this process, item by item, with no timeout, as the mark promises it needs none.
+
 ``close`` (or leaving the ``with`` block) fails batches not yet scored, ends every worker by PID and
 joins the driver threads.
 """
@@ -49,7 +52,8 @@ from typing import Any
 
 from hpcrl.launch.process import Child, ignore_job_warning, stop_all
 from hpcrl.reward.outcome import RewardOutcome
-from hpcrl.reward.registry import resolve
+from hpcrl.reward.registry import resolve, runs_in_process
+from hpcrl.reward.worker import score_one
 
 __all__ = ["RewardOutcome", "RewardPool", "WorkerStartError"]
 
@@ -90,7 +94,8 @@ class RewardPool:
                 raise ValueError(f"RewardPool: {name} must be seconds > 0, got {value!r}")
         if not (isinstance(max_batch, int) and max_batch >= 1):
             raise ValueError(f"RewardPool: max_batch must be an integer >= 1, got {max_batch!r}")
-        resolve(spec)  # a bad spec fails here, with the import error, before any process starts
+        fn = resolve(spec)  # a bad spec fails here, with the import error, before any process starts
+        self._here = fn if runs_in_process(fn) else None  # marked @in_process: scored here, no workers
         self.spec = spec
         self.workers = workers
         self.timeout_s = timeout_s
@@ -101,7 +106,7 @@ class RewardPool:
         self._lock = threading.Lock()  # orders worker starts against close()
         self._closed = False
         self._started = False
-        self._procs = [_Worker(spec, i) for i in range(workers)]
+        self._procs = [] if self._here else [_Worker(spec, i) for i in range(workers)]
         self._drivers: list[threading.Thread] = []
 
     # ---- lifecycle
@@ -114,6 +119,13 @@ class RewardPool:
             if self._started:
                 return self
             self._started = True
+            if self._here:
+                log.info(
+                    "reward function %s is marked @in_process: scored in this process, so reward.workers=%d and "
+                    "reward.timeout_s=%g do not apply",
+                    *(self.spec, self.workers, self.timeout_s),
+                )
+                return self
             for proc in self._procs:
                 proc.spawn()
         try:
@@ -166,19 +178,32 @@ class RewardPool:
     # ---- scoring
 
     async def score(self, items: Sequence[Item]) -> list[RewardOutcome]:
-        """Score ``(prompt, completion, answer)`` items; one outcome per item, in order. Never blocks the loop."""
+        """Score ``(prompt, completion, answer)`` items; one outcome per item, in order. Never blocks the loop
+        (a function marked ``@in_process`` is called right here: it returns in microseconds)."""
+        if self._here:
+            return self._score_here(items)
         batches = self._submit(items)
         results = await asyncio.gather(*(asyncio.wrap_future(b.future) for b in batches))
         return [outcome for result in results for outcome in result]
 
     def score_sync(self, items: Sequence[Item]) -> list[RewardOutcome]:
         """``score`` for code without an event loop: blocks this thread until every item is scored."""
+        if self._here:
+            return self._score_here(items)
         return [outcome for b in self._submit(items) for outcome in b.future.result()]
 
-    def _submit(self, items: Sequence[Item]) -> list[_Batch]:
+    def _score_here(self, items: Sequence[Item]) -> list[RewardOutcome]:
+        checked = self._checked(items)
+        assert self._here is not None
+        return [_outcome(score_one(self._here, *item)) for item in checked]
+
+    def _checked(self, items: Sequence[Item]) -> list[Item]:
         if not self._started or self._closed:
             raise RuntimeError("RewardPool: score() needs a started, open pool; use `with RewardPool(...) as pool:`")
-        checked = [_check_item(i, item) for i, item in enumerate(items)]
+        return [_check_item(i, item) for i, item in enumerate(items)]
+
+    def _submit(self, items: Sequence[Item]) -> list[_Batch]:
+        checked = self._checked(items)
         size = max(1, min(self.max_batch, math.ceil(len(checked) / (self.workers * 4))))
         batches = [_Batch(checked[i : i + size]) for i in range(0, len(checked), size)]
         with self._lock:  # close() sets _closed under the lock, then fails what is queued
@@ -305,10 +330,7 @@ class _Worker:
                 error = f"timed out after {timeout_s:g} s (reward worker pid {self.pid} killed and replaced)"
                 self.stop()
                 return [*outcomes, RewardOutcome(error=error, timed_out=True)]
-            if "v" in message:
-                outcomes.append(RewardOutcome(value=float(message["v"])))
-            else:
-                outcomes.append(RewardOutcome(error=str(message.get("e", message))))
+            outcomes.append(_outcome(message))
         return outcomes
 
     def stop(self) -> None:
@@ -376,6 +398,13 @@ def _check_item(index: int, item: Any) -> Item:
         got = type(item).__name__ if not isinstance(item, (tuple, list)) else [type(s).__name__ for s in item]
         raise TypeError(f"RewardPool.score: items[{index}] must be (prompt, completion, answer) strings, got {got}")
     return (item[0], item[1], item[2])
+
+
+def _outcome(message: dict[str, Any]) -> RewardOutcome:
+    """A RewardOutcome from ``score_one``'s ``{"v": reward}`` or ``{"e": what went wrong}``."""
+    if "v" in message:
+        return RewardOutcome(value=float(message["v"]))
+    return RewardOutcome(error=str(message.get("e", message)))
 
 
 def _finish(batch: _Batch, outcomes: list[RewardOutcome]) -> None:

@@ -13,6 +13,10 @@ function that raises counts as a failed reward; ``reward.on_error`` decides what
 The function must live in an importable module: every reward process imports it by name, so a lambda
 or a function defined in ``__main__`` cannot be used (they would have to be pickled, which hpcrl never
 does).
+
+A function marked with ``@in_process`` promises to be pure Python that returns in microseconds and never
+hangs (``mod10`` is one): it is called in the scoring process itself, with no reward processes, no round
+trip and no timeout. Anything that parses, calls out or may run long stays unmarked, in the pool.
 """
 
 from __future__ import annotations
@@ -31,6 +35,17 @@ EXAMPLE = "hpcrl.reward.builtin:mod10"
 
 class RewardSpecError(ValueError):
     """A reward spec cannot be resolved; the message names the spec and what failed."""
+
+
+def in_process(fn: RewardFn) -> RewardFn:
+    """Mark a reward function as safe to call in the scoring process (see the module's docstring)."""
+    fn.hpcrl_in_process = True  # type: ignore[attr-defined]
+    return fn
+
+
+def runs_in_process(fn: RewardFn) -> bool:
+    """Whether ``fn`` was marked with ``@in_process``."""
+    return getattr(fn, "hpcrl_in_process", False) is True
 
 
 def resolve(spec: str) -> RewardFn:

@@ -37,3 +37,8 @@ def raises_after_flag(prompt: str, completion: str, answer: str) -> float:
     if _flagged():
         raise ValueError("no score once flagged")
     return mod10(prompt, completion, answer)
+
+
+def mod10_in_processes(prompt: str, completion: str, answer: str) -> float:
+    """The builtin mod10, not marked @in_process: scored in reward processes, as a user's reward is."""
+    return mod10(prompt, completion, answer)

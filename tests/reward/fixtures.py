@@ -4,6 +4,8 @@ import os
 import sys
 import time
 
+from hpcrl.reward.registry import in_process
+
 NOT_CALLABLE = 3
 
 
@@ -39,3 +41,11 @@ def noisy(prompt: str, completion: str, answer: str) -> float:
     sys.stdout.flush()
     assert sys.stdin.read() == ""  # /dev/null in a worker
     return 0.5
+
+
+@in_process
+def here_pid(prompt: str, completion: str, answer: str) -> int:
+    """The PID of the process that scores; raises on "raise" (marked @in_process, so that is the caller's)."""
+    if completion == "raise":
+        raise ValueError(f"cannot score answer {answer!r}")
+    return os.getpid()

@@ -45,6 +45,27 @@ def test_rewards_run_in_the_workers_resolved_by_import():
         assert len(pool.pids()) == 2
 
 
+def test_a_reward_marked_in_process_is_scored_here_with_no_worker_process():
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with RewardPool("tests.reward.fixtures:here_pid", workers=2, timeout_s=10) as pool:
+        outcomes = pool.score_sync(_items("x", "raise", "y"))
+        assert [o.value for o in asyncio.run(pool.score(_items("z")))] == [os.getpid()]
+        assert pool.pids() == [] and {p.pid for p in psutil.Process().children(recursive=True)} == before
+        with pytest.raises(TypeError, match=r"items\[0\] must be \(prompt, completion, answer\) strings"):
+            pool.score_sync([("only", "two")])
+    assert [o.value for o in outcomes] == [os.getpid(), None, os.getpid()]
+    assert outcomes[1].error == "raised ValueError: cannot score answer 'a'", "a raise fails its item, as in a worker"
+    with pytest.raises(RuntimeError, match="needs a started, open pool"):
+        pool.score_sync(_items("x"))
+
+
+def test_the_builtin_mod10_is_marked_in_process_and_math_verify_is_not():
+    from hpcrl.reward.builtin import math_verify_reward, mod10
+    from hpcrl.reward.registry import runs_in_process
+
+    assert runs_in_process(mod10) and not runs_in_process(math_verify_reward)
+
+
 def test_a_raising_reward_fails_only_its_item_with_the_exception_text():
     with RewardPool(BEHAVE, workers=1, timeout_s=10) as pool:
         pid = pool.pids()[0]

@@ -63,7 +63,7 @@ def make_run(tmp_path, model_path, server_address: str, setup_timeout_s: float =
         ),
         algorithm=AlgorithmConfig(group_size=GROUP_SIZE),
         rollout=RolloutConfig(max_new_tokens=MAX_NEW_TOKENS, request_timeout_s=60),
-        reward=RewardConfig(fn="hpcrl.reward.builtin:mod10", workers=1),
+        reward=RewardConfig(fn="tests.controller.rewards:mod10_in_processes", workers=1),  # a process each
     )
     run_dir = RunDir.create(tmp_path, cfg.run.experiment, cfg.run.trial)
     run_dir.write_config(dump_config(cfg))
