@@ -1,11 +1,12 @@
 """Weight sync: after a train step, the servers get the new weights, tagged with the new version.
 
-Generation is paused in ``abort`` mode first: in-flight requests come back with what they have, and the
-workflow resubmits them once generation resumes (``resumed`` is cleared before the pause and set after
-the continue, so nothing is submitted in between). Then, by ``train.weight_sync``:
+Generation is paused in ``abort`` mode while the servers take the weights: in-flight requests come back
+with what they have, and the workflow resubmits them once generation resumes (``resumed`` is cleared
+before the pause and set after the continue, so nothing is submitted in between). By ``train.weight_sync``:
 
-- ``disk``: trainer rank 0 exports the model (Hugging Face layout) under the run directory and every
-  server loads it (``/update_weights_from_disk``);
+- ``disk``: trainer rank 0 exports the model (Hugging Face layout) under the run directory while the
+  servers go on generating with the old weights (with ``rollout.max_staleness`` > 0 they have work); then
+  generation is paused only for every server to load it (``/update_weights_from_disk``);
 - ``distributed``: at start, trainer rank 0 starts the group's rendezvous on its own node with a port of
   its own slice and reports it (host, port, backend: nccl on CUDA, gloo on CPU), and every
   tensor-parallel rank of every server joins it (``/init_weights_update_group``, ``rank_offset + tp_rank``).
@@ -70,13 +71,14 @@ class WeightSync:
 
     async def push(self, version: int) -> None:
         async with self.lock:
+            exported = await self._export(version) if self.mode == "disk" else None
             self.resumed.clear()
             if self.episodes is not None:  # rollout workers hold their resubmissions until the servers resume
                 await self.episodes.pause()
             await self.client.pause("abort")
             try:
-                if self.mode == "disk":
-                    await self._push_disk(version)
+                if exported is not None:
+                    await self._load(exported, version)
                 else:
                     await self._push_distributed(version)
             finally:
@@ -85,10 +87,13 @@ class WeightSync:
                     await self.episodes.resume()
                 self.resumed.set()
 
-    async def _push_disk(self, version: int) -> None:
+    async def _export(self, version: int) -> Path:
         path = self.weights_dir / f"v{version:06d}"
         await self.trainers.export(path)
         self.current = (str(path), version)  # a server restarted from now on loads this one
+        return path
+
+    async def _load(self, path: Path, version: int) -> None:
         await self.client.update_weights_from_disk(str(path), version)
         # the servers hold the new export: the older ones go, those of an interrupted earlier run too
         for old in self.weights_dir.glob("v*"):
