@@ -1,16 +1,19 @@
 """Throughput of hpcrl's CPU inference server against in-process batched ``generate``.
 
-    python bench/inference.py [--runs 5] [--requests 64] [--new-tokens 32] [--hidden 64 --layers 2]
+    python bench/inference.py [--runs 5] [--requests 64] [--new-tokens 32] [--hidden 64 --layers 2] [--group 8]
+    python bench/inference.py --requests 512 --new-tokens 2 --hidden 128   # a default job step's generation
 
-Three ways to produce the same new tokens from the same 64 prompts, measured side by side in one run
-(the machine is shared and noisy, so only the ratios mean something):
+Four ways to produce the same new tokens from the same prompts, measured side by side in one run (the
+machine is shared and noisy, so only the ratios mean something):
 
 - in-process: one batched ``model.generate`` call (left-padded, sampling, no early stop);
-- server, concurrent: 64 ``/generate`` requests in flight at once through ``InferenceClient``;
-- server, one at a time: the same 64 requests, each sent after the previous answer.
+- server, concurrent: one ``/generate`` request per prompt, all in flight at once through ``InferenceClient``;
+- server, groups: the prompts in batched requests of ``--group`` (``generate_many``), all in flight at once:
+  how a rollout sends a GRPO group;
+- server, one at a time: one request per prompt, each sent after the previous answer.
 
 Prints new tokens/s (median of ``--runs``) and the ratios; goals: concurrent >= 0.7x in-process and
->= 4x one at a time.
+>= 4x one at a time; the groups' time at most 2x the in-process call's.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from hpcrl.launch.process import spawn
 from hpcrl.models.tiny import make_tiny_model
 from hpcrl.net import PortAllocator, format_hostport
 
+IN_PROCESS, CONCURRENT, ONE_AT_A_TIME = "in-process generate", "server, concurrent", "server, one at a time"
+
 
 def prompts(tok, count: int) -> list[list[int]]:
     return [tok(f"{i % 10}+{(i * 7) % 10}=")["input_ids"] for i in range(count)]
@@ -48,12 +53,16 @@ def in_process(model, tok, batch: list[list[int]], new_tokens: int) -> float:
     return len(batch) * new_tokens / (time.perf_counter() - start)
 
 
-async def through_server(address: str, batch: list[list[int]], new_tokens: int, concurrent: bool) -> float:
+async def through_server(address: str, batch: list[list[int]], new_tokens: int, way: str, group: int = 8) -> float:
     params = {"max_new_tokens": new_tokens, "ignore_eos": True, "temperature": 1.0}
     async with InferenceClient([address], request_timeout_s=600) as client:
         start = time.perf_counter()
-        if concurrent:
+        if way == "concurrent":
             results = await asyncio.gather(*(client.generate(p, params) for p in batch))
+        elif way == "groups":
+            chunks = [batch[i : i + group] for i in range(0, len(batch), group)]
+            answers = await asyncio.gather(*(client.generate_many(c, params) for c in chunks))
+            results = [r for answer in answers for r in answer]
         else:
             results = [await client.generate(p, params) for p in batch]
         elapsed = time.perf_counter() - start
@@ -69,6 +78,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch-wait-ms", type=float, default=2.0, help="the server's --batch-wait-ms")
+    parser.add_argument("--group", type=int, default=8, help="prompts per batched request in the groups way")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="hpcrl-bench-"))
     model_dir = make_tiny_model(
@@ -82,12 +92,13 @@ def main() -> None:
     with spawn("server", cmd, work / "server.log") as server:
         address = format_hostport("127.0.0.1", port)
         asyncio.run(_wait(address, server))
-        rows = {"in-process generate": [], "server, 64 concurrent": [], "server, one at a time": []}
+        ways = {"concurrent": CONCURRENT, "groups": f"server, groups of {args.group}", "one": ONE_AT_A_TIME}
+        rows: dict[str, list[float]] = {IN_PROCESS: [], **{name: [] for name in ways.values()}}
         in_process(model, tok, batch[:4], 4)  # warm-up
         for _ in range(args.runs):
-            rows["in-process generate"].append(in_process(model, tok, batch, args.new_tokens))
-            rows["server, 64 concurrent"].append(asyncio.run(through_server(address, batch, args.new_tokens, True)))
-            rows["server, one at a time"].append(asyncio.run(through_server(address, batch, args.new_tokens, False)))
+            rows[IN_PROCESS].append(in_process(model, tok, batch, args.new_tokens))
+            for way, name in ways.items():
+                rows[name].append(asyncio.run(through_server(address, batch, args.new_tokens, way, args.group)))
     report(rows, args)
 
 
@@ -99,9 +110,11 @@ async def _wait(address: str, server) -> None:
 def report(rows: dict[str, list[float]], args) -> None:
     """Medians of throughput, and medians of the ratios taken within each run (the runs side by side)."""
     med = {name: statistics.median(values) for name, values in rows.items()}
-    conc, inproc, seq = rows["server, 64 concurrent"], rows["in-process generate"], rows["server, one at a time"]
+    conc, inproc, seq = rows[CONCURRENT], rows[IN_PROCESS], rows[ONE_AT_A_TIME]
+    groups = rows[f"server, groups of {args.group}"]
     vs_inproc = statistics.median(c / i for c, i in zip(conc, inproc, strict=True))
     vs_seq = statistics.median(c / s for c, s in zip(conc, seq, strict=True))
+    groups_time = statistics.median(i / g for g, i in zip(groups, inproc, strict=True))
     print(
         f"model hidden={args.hidden} layers={args.layers}; {args.requests} prompts x {args.new_tokens} new tokens;"
         f" median of {args.runs} runs, torch threads {torch.get_num_threads()}"
@@ -112,6 +125,7 @@ def report(rows: dict[str, list[float]], args) -> None:
         print(f"| {name:<24} | {med[name]:>12.0f} | {', '.join(f'{v:.0f}' for v in values):<36} |")
     print(f"concurrent / in-process = {vs_inproc:.2f} (median of per-run ratios; goal >= 0.7)")
     print(f"concurrent / one at a time = {vs_seq:.2f} (median of per-run ratios; goal >= 4)")
+    print(f"groups of {args.group}: time / in-process time = {groups_time:.2f} (median of per-run ratios; goal <= 2)")
 
 
 if __name__ == "__main__":
