@@ -103,6 +103,7 @@ def slurm_cluster():
     """A Slurm whose partition has every node idle; started (and stopped at the end) only if none runs."""
     found = _ready(PARTITION)
     if not isinstance(found, str):
+        _need_cpus(found)
         yield SlurmCluster(PARTITION, found, started_here=False)
         return
     if os.geteuid() != 0:
@@ -136,6 +137,19 @@ def slurm_cluster():
             rc, output = _dev_cluster("down", DOWN_TIMEOUT_S)
             if rc != 0:
                 pytest.fail(f"slurm/dev-cluster.sh down failed (exit status {rc}):\n{output}", pytrace=False)
+
+
+def _need_cpus(nodes: tuple[str, ...]) -> None:
+    """A cluster found running must declare the CPUs a node that the fixture would (a controller job asks for 4)."""
+    out = _run(["sinfo", "-h", "-N", "-p", PARTITION, "-o", "%N %c"]).stdout
+    cpus = {name: int(count) for name, count in (line.split() for line in out.splitlines() if line.strip())}
+    few = {n: c for n, c in cpus.items() if n in nodes and c < int(DEFAULT_CPUS_PER_NODE)}
+    if few:
+        pytest.fail(
+            f"the test Slurm found running declares {few} CPUs a node; the tests need {DEFAULT_CPUS_PER_NODE}: "
+            f"restart it with HPCRL_SLURM_CPUS={DEFAULT_CPUS_PER_NODE} {SCRIPT.relative_to(REPO)} up (after down)",
+            pytrace=False,
+        )
 
 
 @pytest.fixture
