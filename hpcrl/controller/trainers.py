@@ -50,7 +50,7 @@ class Trainers:
         """Per-token logprobs of the current policy for each shard's sequences (one forward, no update)."""
         requests = [ComputeLogprobs(SequenceBatch.pack(s), self.temperature) for s in shards]
         replies = await self.rpc.call("compute_logprobs", requests)
-        return [reply.logprobs for reply in replies]
+        return [reply.per_sequence() for reply in replies]
 
     async def export(self, path) -> None:
         await self.rpc.broadcast("export_weights", ExportWeights(str(path)))

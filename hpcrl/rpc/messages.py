@@ -240,7 +240,26 @@ class ComputeLogprobs:
 @register
 @dataclasses.dataclass
 class LogprobsResult:
-    logprobs: list[list[float]]  # per sequence, one logprob per token, in request order
+    """Per-token logprobs of each sequence, in request order, as one flat float32 tensor (raw bytes on the
+    wire, like ``SequenceBatch``): sequence i's ``lengths[i]`` values start at ``sum(lengths[:i])``."""
+
+    lengths: torch.Tensor  # int64 [N]
+    values: torch.Tensor  # float32 [sum(lengths)]
+
+    def __post_init__(self) -> None:
+        _check_tensor(self.lengths, "lengths", torch.int64, None)
+        _check_tensor(self.values, "values", torch.float32, int(self.lengths.sum()))
+
+    @classmethod
+    def of(cls, logprobs: list[list[float]]) -> LogprobsResult:
+        flat = array.array("f", itertools.chain.from_iterable(logprobs))
+        lengths = array.array("q", [len(row) for row in logprobs])
+        return cls(_from_array(lengths, torch.int64), _from_array(flat, torch.float32))
+
+    def per_sequence(self) -> list[list[float]]:
+        values = self.values.tolist()
+        bounds = list(itertools.accumulate(self.lengths.tolist(), initial=0))
+        return [values[start:end] for start, end in itertools.pairwise(bounds)]
 
 
 @register

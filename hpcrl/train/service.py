@@ -106,7 +106,7 @@ class TrainerService:
 
     def compute_logprobs(self, msg: ComputeLogprobs) -> LogprobsResult:
         sequences = _sequences(msg.batch)
-        return LogprobsResult(self.engine.sequence_logprobs(sequences, msg.temperature))
+        return LogprobsResult.of(self.engine.sequence_logprobs(sequences, msg.temperature))
 
     def export_weights(self, msg: ExportWeights) -> Ack:
         self.engine.export_hf(msg.path)

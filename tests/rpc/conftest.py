@@ -17,7 +17,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 from hpcrl.net import parse_hostport
 from hpcrl.rpc import RpcServer
 from hpcrl.rpc.fields import field_types
-from hpcrl.rpc.messages import SequenceBatch, SequenceData
+from hpcrl.rpc.messages import LogprobsResult, SequenceBatch, SequenceData
 
 TOKEN = "test-token-" + "x" * 32
 # hypothesis caches constants under ./.hypothesis even without an example database: keep the checkout clean
@@ -93,6 +93,8 @@ def sample(ann: Any, seed: int = 0) -> Any:
         return {f"k{i}": sample(args[1], seed + i) for i in range(2)}
     if ann is SequenceBatch:  # checked on construction: packed from sequences of different lengths
         return SequenceBatch.pack([_sequence(3 + seed + i, seed) for i in range(2)])
+    if ann is LogprobsResult:  # checked on construction too
+        return LogprobsResult.of([[-0.25 * (i + seed) for i in range(3 + seed + k)] for k in range(2)])
     return ann(**{name: sample(t, seed) for name, t in field_types(ann).items()})
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hpcrl.rpc import DecodeError, RpcClient, decode, encode
-from hpcrl.rpc.messages import ComputeLogprobs, ErrorReply, SequenceBatch, SequenceData, TrainStep
+from hpcrl.rpc.messages import ComputeLogprobs, ErrorReply, LogprobsResult, SequenceBatch, SequenceData, TrainStep
 from hpcrl.rpc.wire import ALIGN, MAGIC
 from hpcrl.train.batch import Sequence
 from hpcrl.train.service import _sequences
@@ -223,3 +223,14 @@ def test_a_batch_crosses_a_real_server_bit_exactly(serve):
     received = handler.calls[0].batch.unpack()
     assert received == sequences and echoed.batch.unpack() == sequences
     assert bits32(received[4].old_logprobs) == bits32(sequences[4].old_logprobs)
+
+
+def test_the_logprobs_reply_is_a_flat_float32_tensor_that_round_trips_exactly():
+    rows = [(torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3).tolist() for n in (3, 0, 11, 1)]
+    reply = LogprobsResult.of(rows)
+    assert reply.lengths.tolist() == [3, 0, 11, 1] and reply.values.dtype == torch.float32
+    header, data = split(encode(reply))
+    assert str(rows[2][5]) not in json.dumps(header) and bits32(rows[2]) in data, "raw bytes, not JSON numbers"
+    assert decode(encode(reply)).per_sequence() == rows  # float32 values, as the engine makes them: exact
+    with pytest.raises(ValueError, match=r"values: has 15 entries, expected 14 \(from lengths\)"):
+        LogprobsResult(torch.tensor([3, 11]), reply.values)
