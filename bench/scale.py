@@ -33,10 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from _jobs import median, run_job, table
+from trl_grpo import ALPHABET, GROUP, hpcrl_overrides
 
 BENCH = Path(__file__).resolve().parent
-ALPHABET = "+0123456789="
-GROUP, LR = 8, 5e-4
 
 
 @dataclass(frozen=True)
@@ -72,19 +71,7 @@ def make_model(size: Size, work: Path) -> tuple[Path, int]:
 
 def hpcrl_step_s(model_dir: Path, prompts: int, steps: int, work: Path, trial: str) -> float:
     """Median ``time_step_s`` of steps 2..N of one hpcrl job."""
-    overrides = [
-        "model=local",
-        f"model.path={model_dir}",
-        "model.dtype=float32",
-        "run.seed=0",
-        f"run.max_steps={steps}",
-        f"rollout.prompts_per_step={prompts}",
-        f"algorithm.group_size={GROUP}",
-        f"train.lr={LR}",
-        "eval.stop_at_accuracy=0",
-        "eval.every_steps=0",
-        "dataset.eval_size=16",
-    ]
+    overrides = [*hpcrl_overrides(model_dir, 0, steps, prompts), "dataset.eval_size=16"]
     job = run_job(overrides, work, trial, timeout_s=3600)
     times = [m["time_step_s"] for m in job.metrics]
     return median(times[1:] or times)

@@ -139,6 +139,22 @@ def run_trl(model_dir: Path, seed: int, args, work: Path) -> dict:
 # --- hpcrl ----------------------------------------------------------------------------------------------
 
 
+def hpcrl_overrides(model_dir: Path, seed: int, max_steps: int, prompts: int) -> list[str]:
+    """The job on ``model_dir`` with the settings TRL gets here; no early stop, no held-out evaluation."""
+    return [
+        "model=local",
+        f"model.path={model_dir}",
+        "model.dtype=float32",
+        f"run.seed={seed}",
+        f"run.max_steps={max_steps}",
+        f"rollout.prompts_per_step={prompts}",
+        f"algorithm.group_size={GROUP}",
+        f"train.lr={LR}",
+        "eval.stop_at_accuracy=0",
+        "eval.every_steps=0",
+    ]
+
+
 def run_hpcrl(model_dir: Path, seed: int, args, work: Path) -> dict:
     def reached(metrics) -> bool:
         return any(m["reward_mean"] >= args.target for m in metrics)
@@ -149,19 +165,8 @@ def run_hpcrl(model_dir: Path, seed: int, args, work: Path) -> dict:
         elapsed = sum(m["time_step_s"] for m in metrics)
         return reached(metrics) or elapsed > args.time_cap_s or time.monotonic() - start > args.time_cap_s + 300
 
-    overrides = [
-        "model=local",
-        f"model.path={model_dir}",
-        "model.dtype=float32",
-        f"run.seed={seed}",
-        f"run.max_steps={args.max_steps}",
-        f"rollout.prompts_per_step={args.prompts}",
-        f"algorithm.group_size={GROUP}",
-        f"train.lr={LR}",
-        "eval.stop_at_accuracy=0",
-        "eval.every_steps=0",
-        *(["dataset.eval_size=16"] if args.quick else []),
-    ]
+    overrides = hpcrl_overrides(model_dir, seed, args.max_steps, args.prompts)
+    overrides += ["dataset.eval_size=16"] if args.quick else []
     job = run_job(overrides, work, f"hpcrl-{seed}", timeout_s=args.time_cap_s + 900, stop_when=stop)
     metrics = job.metrics
     hit = next((i for i, m in enumerate(metrics) if m["reward_mean"] >= args.target), None)

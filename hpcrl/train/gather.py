@@ -27,7 +27,10 @@ def gather_full_state_dict(model: nn.Module, is_main: bool) -> dict[str, Tensor]
     state = model.state_dict()
     full: dict[str, Tensor] = {}
     by_dtype: dict[torch.dtype, list[str]] = defaultdict(list)
+    first: dict[int, str] = {}  # a tied tensor (lm_head as embed_tokens) is one object under two names
     for name, tensor in state.items():
+        if first.setdefault(id(tensor), name) != name:
+            continue
         if _row_sharded(tensor):
             by_dtype[tensor.dtype].append(name)
         elif isinstance(tensor, DTensor):
@@ -38,7 +41,8 @@ def gather_full_state_dict(model: nn.Module, is_main: bool) -> dict[str, Tensor]
         full.update(_gather_row_shards({name: state[name] for name in by_dtype[dtype]}))
     if not is_main:
         return {}
-    return {name: full[name].detach().cpu() for name in state}
+    full = {name: full[name].detach().cpu() for name in first.values()}
+    return {name: full[first[id(tensor)]] for name, tensor in state.items()}
 
 
 def _row_sharded(tensor: Tensor) -> bool:

@@ -121,3 +121,37 @@ def test_a_rollout_worker_samples_an_episode_by_the_seed_it_is_sent(tiny_model, 
 
         first, again, other = (asyncio.run(samples(seed)) for seed in (5, 5, 6))
     assert first == again and first != other
+
+
+class AbortsSomeOfTheFirstBatch(Recorder):
+    """The first batched request: sample i answers token 5 + i, and samples 1 and 3 come back aborted after one
+    token (a weight update's pause); a later request repeats its prompt's last token as often as it was asked
+    for. Records each batch's prompts; the weight version is the request's number."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches: list[list[list[int]]] = []
+
+    async def generate_many(self, input_ids, sampling_params, **kwargs):
+        first = not self.batches
+        self.batches.append([list(ids) for ids in input_ids])
+        results = []
+        for i, (ids, params) in enumerate(zip(input_ids, sampling_params, strict=True)):
+            self.params.append(dict(params))
+            cut = first and i in (1, 3)
+            n = 1 if cut else params["max_new_tokens"]
+            token = 5 + i if first else ids[-1]
+            reason = "abort" if cut else "length"
+            results.append(GenerateResult([token] * n, [-1.0] * n, reason, str(len(self.batches)), "fake:1", {}))
+        return results
+
+
+def test_a_groups_aborted_samples_go_on_together_from_their_tokens_and_the_others_are_not_sent_again():
+    client = AbortsSomeOfTheFirstBatch()
+    group = asyncio.run(SingleTurn(client, make_tokenizer(), SAMPLING, 4, Zero(), resumed()).run("1+1=", "2", seed=5))
+    prompt = group.prompt_ids
+    assert client.batches == [[prompt] * 4, [[*prompt, 6], [*prompt, 8]]], "only samples 1 and 3, from their token"
+    assert [p["max_new_tokens"] for p in client.params[4:]] == [3, 3], "the rest of their budget"
+    assert [s.output_ids for s in group.samples] == [[5] * 4, [6] * 4, [7] * 4, [8] * 4]
+    assert group.samples[1].versions == [1, 2, 2, 2], "the weight version of each token"
+    assert [s.finish_reason for s in group.samples] == ["length"] * 4

@@ -56,9 +56,7 @@ class SingleTurn:
             results = await self._generate(prompts, params)
             for i, result in zip(pending, results, strict=True):
                 _extend(samples[i], result)
-            pending = [
-                i for i in pending if samples[i].finish_reason == "abort" and len(samples[i].output_ids) < budget
-            ]
+            pending = [i for i in pending if _interrupted(samples[i], budget)]
         for sample in samples:
             sample.finish_reason = "length" if sample.finish_reason == "abort" else sample.finish_reason
             sample.text = self.tokenizer.decode(sample.output_ids, skip_special_tokens=True)

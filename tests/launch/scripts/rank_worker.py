@@ -31,9 +31,8 @@ if os.environ.get("RANK_WORKER_GRANDCHILD"):
     extra["grandchild"] = subprocess.Popen(["sleep", "120"]).pid
 
 listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-for attempt in range(
-    5
-):  # a port probed free may be taken before the bind (tests in other xdist workers), as workers retry
+# a port probed free may be taken before the bind (tests in other xdist workers): retry, as workers do
+for attempt in range(5):
     port = worker_ports().allocate(1)[0]
     try:
         listener.bind(("0.0.0.0", port))  # every interface; it advertises this node's own address, as workers do
