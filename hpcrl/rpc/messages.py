@@ -86,6 +86,9 @@ class SequenceData:
     prox_logprobs: list[float] | None  # proximal-policy logprob per token (decoupled PPO), if computed
     ref_logprobs: list[float] | None  # reference-model logprob per token, for a KL term
     versions: list[int] | None  # weight version that generated each token; None for prompt-only data
+    token_advantages: list[float] | None = None  # per-token advantage (GAE); None: ``advantage`` for every token
+    returns: list[float] | None = None  # per-token GAE return, the critic's target (PPO with a critic)
+    old_values: list[float] | None = None  # per-token value from the critic before its update (value clipping)
 
 
 # SequenceBatch's per-token tensors: (field, dtype, array typecode). Token ids and versions fit in int32
@@ -98,8 +101,11 @@ _PER_TOKEN = (
     ("prox_logprobs", torch.float32, "f"),
     ("ref_logprobs", torch.float32, "f"),
     ("versions", torch.int32, "i"),
+    ("token_advantages", torch.float32, "f"),
+    ("returns", torch.float32, "f"),
+    ("old_values", torch.float32, "f"),
 )
-_OPTIONAL = ("old_logprobs", "prox_logprobs", "ref_logprobs", "versions")
+_OPTIONAL = ("old_logprobs", "prox_logprobs", "ref_logprobs", "versions", "token_advantages", "returns", "old_values")
 
 
 @register
@@ -119,6 +125,9 @@ class SequenceBatch:
     prox_logprobs: torch.Tensor | None  # float32 [sum(lengths)], or None
     ref_logprobs: torch.Tensor | None  # float32 [sum(lengths)], or None
     versions: torch.Tensor | None  # int32 [sum(lengths)]: weight version per token (-1 on prompts), or None
+    token_advantages: torch.Tensor | None = None  # float32 [sum(lengths)]: GAE advantage per token, or None
+    returns: torch.Tensor | None = None  # float32 [sum(lengths)]: GAE return per token (the critic's target), or None
+    old_values: torch.Tensor | None = None  # float32 [sum(lengths)]: the critic's values before its update, or None
 
     def __post_init__(self) -> None:
         _check_tensor(self.lengths, "lengths", torch.int64, None)
@@ -260,6 +269,20 @@ class LogprobsResult:
         values = self.values.tolist()
         bounds = list(itertools.accumulate(self.lengths.tolist(), initial=0))
         return [values[start:end] for start, end in itertools.pairwise(bounds)]
+
+
+@register
+@dataclasses.dataclass
+class ComputeValues:
+    """The critic's per-token values of this rank's shard, entry t the value of the state token t was chosen in."""
+
+    batch: SequenceBatch  # this rank's shard
+
+
+@register
+@dataclasses.dataclass
+class ValuesResult(LogprobsResult):
+    """The critic's per-token values of each sequence, in request order, laid out as ``LogprobsResult``."""
 
 
 @register

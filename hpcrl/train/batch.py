@@ -20,6 +20,9 @@ from torch import Tensor
 
 # Per-token float fields of a Sequence that become [B, T-1] tensors of a MicroBatch.
 LOGPROB_FIELDS = ("old_logprobs", "prox_logprobs", "ref_logprobs")
+# ... and those of PPO with a critic (advantage=gae): per-token advantages, the critic's targets and its old values
+CRITIC_FIELDS = ("token_advantages", "returns", "old_values")
+FLOAT_FIELDS = (*LOGPROB_FIELDS, *CRITIC_FIELDS)
 
 
 @dataclass
@@ -33,13 +36,16 @@ class Sequence:
     prox_logprobs: list[float] | None = None  # length T: the trainer's policy before this update (decoupled PPO)
     ref_logprobs: list[float] | None = None  # length T: the frozen reference policy (KL penalty)
     versions: list[int] | None = None  # length T: policy version that sampled token t; -1 for prompt tokens
+    token_advantages: list[float] | None = None  # length T: token t's advantage (GAE); replaces ``advantage``
+    returns: list[float] | None = None  # length T: token t's GAE return, the critic's target
+    old_values: list[float] | None = None  # length T: the critic's value of the state before token t, pre-update
 
     def validate(self, index: int) -> None:
         """Raise ValueError naming row ``index`` and the field when the lengths or the mask are wrong."""
         length = len(self.input_ids)
         if length < 2:
             raise ValueError(f"sequence {index}: input_ids needs at least 2 tokens (one to predict), got {length}")
-        for name in ("loss_mask", *LOGPROB_FIELDS, "versions"):
+        for name in ("loss_mask", *FLOAT_FIELDS, "versions"):
             values = getattr(self, name)
             if values is not None and len(values) != length:
                 raise ValueError(
@@ -86,6 +92,9 @@ class MicroBatch:
     prox_logprobs: Tensor | None = None  # [B, T-1] float32
     ref_logprobs: Tensor | None = None  # [B, T-1] float32
     versions: Tensor | None = None  # [B, T-1] long
+    token_advantages: Tensor | None = None  # [B, T-1] float32: per-token advantages, used instead of ``advantages``
+    returns: Tensor | None = None  # [B, T-1] float32: the critic's targets
+    old_values: Tensor | None = None  # [B, T-1] float32: the critic's values when the advantages were computed
 
     @property
     def size(self) -> int:
@@ -94,7 +103,7 @@ class MicroBatch:
 
 def check_optional_fields(sequences: list[Sequence]) -> None:
     """Each optional per-token field must be set on every sequence or on none (a batch is one tensor)."""
-    for name in (*LOGPROB_FIELDS, "versions"):
+    for name in (*FLOAT_FIELDS, "versions"):
         present = [getattr(s, name) is not None for s in sequences]
         if any(present) and not all(present):
             missing = present.index(False)
@@ -111,7 +120,7 @@ def collate(sequences: list[Sequence], pad_id: int, device: torch.device) -> Mic
     loss_mask = torch.zeros((batch, width - 1), dtype=torch.float32)
     optional = {
         name: torch.zeros((batch, width - 1), dtype=torch.float32)
-        for name in LOGPROB_FIELDS
+        for name in FLOAT_FIELDS
         if getattr(sequences[0], name) is not None
     }
     versions = torch.full((batch, width - 1), -1, dtype=torch.long) if sequences[0].versions is not None else None

@@ -80,6 +80,24 @@ def test_ragged_batch_round_trips_exactly(optional):
     assert out.batch.lengths.tolist() == [2, 9, 1, 0, 17]
 
 
+def test_gae_fields_round_trip_bit_for_bit_and_reach_the_engine_rows():
+    """PPO with a critic: per-token advantages, returns and the critic's old values travel as float32 bytes and
+    become the trainer's Sequence fields of the same names (a field dropped or swapped would differ here)."""
+    gen = torch.Generator().manual_seed(5)
+    sequences = ragged(lengths=(3, 6), optional=False)
+    for seq in sequences:
+        n = len(seq.input_ids)
+        seq.token_advantages, seq.returns, seq.old_values = (
+            (torch.randn(n, generator=gen) * 2).tolist() for _ in range(3)
+        )
+    out = decode(bytearray(encode(TrainStep(SequenceBatch.pack(sequences), 1.0))))
+    assert {out.batch.token_advantages.dtype, out.batch.returns.dtype, out.batch.old_values.dtype} == {torch.float32}
+    rows = _sequences(out.batch)
+    for row, sent in zip(rows, sequences, strict=True):
+        for name in ("token_advantages", "returns", "old_values"):
+            assert bits32(getattr(row, name)) == bits32(getattr(sent, name)), name
+
+
 def test_dtypes_and_layout_on_the_wire():
     batch = decode(encode(ComputeLogprobs(SequenceBatch.pack(ragged()), 1.0))).batch
     dtypes = {name: None if getattr(batch, name) is None else getattr(batch, name).dtype for name in vars(batch)}
@@ -92,6 +110,9 @@ def test_dtypes_and_layout_on_the_wire():
         "prox_logprobs": torch.float32,
         "ref_logprobs": None,
         "versions": torch.int32,
+        "token_advantages": None,
+        "returns": None,
+        "old_values": None,
     }
     # sequence 1 starts where sequence 0 (2 tokens) ends, in every per-token tensor
     sequences = ragged()
