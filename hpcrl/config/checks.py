@@ -36,7 +36,7 @@ from hpcrl.inference.openai.templates import TEMPLATES
 
 log = logging.getLogger(__name__)
 
-ROLES = ("server", "trainer")
+ROLES = ("server", "trainer")  # the roles every run has; the critic's (advantage=gae) and rollout's are optional
 
 
 def validate(cfg: Config) -> Config:
@@ -45,6 +45,7 @@ def validate(cfg: Config) -> Config:
     check_cluster(cfg.cluster)
     allocation = resolve_allocation(cfg.allocation, cfg.cluster)
     check_algorithm(cfg.algorithm)
+    check_critic(cfg, allocation)
     check_model(cfg.model)
     dataset = check_dataset(cfg.dataset)
     check_train(cfg.train)
@@ -90,7 +91,7 @@ def check_cluster(c: ClusterConfig) -> None:
     require(c.time_min >= 1, "cluster.time_min", c.time_min, "minutes >= 1")
     for role, res in c.roles.items():
         where = f"cluster.roles.{role}"
-        one_of(f"{where} (role name)", role, (*ROLES, "rollout"))
+        one_of(f"{where} (role name)", role, (*ROLES, "critic", "rollout"))
         require(res.setup_timeout_s > 0, f"{where}.setup_timeout_s", res.setup_timeout_s, "seconds > 0")
         require(res.cpus_per_worker >= 1, f"{where}.cpus_per_worker", res.cpus_per_worker, "an integer >= 1")
         require(res.mem_gb >= 0, f"{where}.mem_gb", res.mem_gb, "GiB >= 0 (0 = scheduler default)")
@@ -119,13 +120,22 @@ def check_net(n: NetConfig) -> None:
 
 def resolve_allocation(a: AllocationConfig, cluster: ClusterConfig) -> AllocationConfig:
     """Apply the shorthand, fill backend defaults and node counts, and check that roles fit the cluster."""
-    roles = parse_spec(a.spec) if a.spec else {"server": a.server, "trainer": a.trainer}
+    roles = parse_spec(a.spec) if a.spec else {"server": a.server, "trainer": a.trainer, "critic": a.critic}
     resolved = {role: _resolve_role(f"allocation.{role}", role, roles[role], cluster) for role in ROLES}
+    critic = roles.get("critic") or replace(a.critic, workers=0)  # a shorthand without one: no critic
+    require(critic.workers >= 0, "allocation.critic.workers", critic.workers, "an integer >= 0 (0 = no critic)")
+    if critic.workers:
+        if critic.gpus_per_worker is None:  # the critic's ranks are where the trainer's are: GPUs, or CPUs
+            critic = replace(critic, gpus_per_worker=resolved["trainer"].gpus_per_worker)
+        resolved["critic"] = _resolve_role("allocation.critic", "critic", critic, cluster)
+    else:
+        resolved["critic"] = critic
     return replace(a, **resolved)
 
 
 def _resolve_role(where: str, role: str, r: RoleAllocation, cluster: ClusterConfig) -> RoleAllocation:
     one_of(f"{where}.backend", r.backend, SERVER_BACKENDS if role == "server" else TRAINER_BACKENDS)
+    # the critic's ranks are the trainer's kind: FSDP2 under torchrun
     require(r.workers >= 1, f"{where}.workers", r.workers, "an integer >= 1")
     require(r.tp_size >= 1, f"{where}.tp_size", r.tp_size, "an integer >= 1")
     require(r.tp_size == 1 or role == "server", f"{where}.tp_size", r.tp_size, "1 (tensor parallelism is a server's)")
@@ -211,10 +221,10 @@ def check_kl(a: AlgorithmConfig) -> None:
 
 
 def check_algorithm(a: AlgorithmConfig) -> None:
-    one_of("algorithm.advantage", a.advantage, ("group_norm", "group_center", "batch_norm"))
+    one_of("algorithm.advantage", a.advantage, ("group_norm", "group_center", "batch_norm", "gae"))
     one_of("algorithm.loss_agg", a.loss_agg, ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"))
     check_kl(a)
-    grouped = a.advantage != "batch_norm"
+    grouped = a.advantage in ("group_norm", "group_center")
     require(a.group_size >= (2 if grouped else 1), "algorithm.group_size", a.group_size, "an integer >= 2 for groups")
     require(0 <= a.clip_low < 1, "algorithm.clip_low", a.clip_low, "a number in [0, 1)")
     require(a.clip_high >= 0, "algorithm.clip_high", a.clip_high, "a number >= 0")
@@ -222,6 +232,32 @@ def check_algorithm(a: AlgorithmConfig) -> None:
     require(cap == 0 or cap >= 1, "algorithm.behavior_weight_cap", cap, "0 (off) or a cap >= 1")
     require(a.std_eps > 0, "algorithm.std_eps", a.std_eps, "a number > 0")
     require(a.updates_per_batch >= 1, "algorithm.updates_per_batch", a.updates_per_batch, "an integer >= 1")
+    require(0 <= a.gamma <= 1, "algorithm.gamma", a.gamma, "a discount in [0, 1]")
+    require(0 <= a.lam <= 1, "algorithm.lam", a.lam, "GAE's lambda in [0, 1]")
+    require(a.value_clip >= 0, "algorithm.value_clip", a.value_clip, "a number >= 0 (0 = no value clipping)")
+
+
+def check_critic(cfg: Config, allocation: AllocationConfig) -> None:
+    """A critic exactly when the advantages need one (GAE), and its start directory only with one."""
+    workers, advantage = allocation.critic.workers, cfg.algorithm.advantage
+    if advantage == "gae" and not workers:
+        raise ConfigError(
+            "allocation.critic.workers",
+            workers,
+            "an integer >= 1 with algorithm.advantage=gae: GAE needs a critic's values (e.g. "
+            "allocation.critic.workers=1, or +critic:d1 in allocation.spec), or pick algorithm=reinforce_pp, "
+            "which needs none",
+        )
+    if workers and advantage != "gae":
+        raise ConfigError(
+            "allocation.critic.workers",
+            workers,
+            f"0 with algorithm.advantage={advantage}, which uses no values (the critic would train for nothing); "
+            "set algorithm.advantage=gae (algorithm=ppo) to use it",
+        )
+    if cfg.model.critic_path and not workers:
+        expected = '"" without a critic (allocation.critic.workers=0)'
+        raise ConfigError("model.critic_path", cfg.model.critic_path, expected)
 
 
 def check_model(m: ModelConfig) -> None:
@@ -259,6 +295,7 @@ def check_train(t: TrainConfig) -> None:
     require(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "an integer >= 0")
     one_of("train.lr_schedule", t.lr_schedule, ("constant", "cosine"))
     require(t.micro_batch_tokens >= 1, "train.micro_batch_tokens", t.micro_batch_tokens, "an integer >= 1")
+    require(t.critic_lr > 0, "train.critic_lr", t.critic_lr, "a number > 0")
     one_of("train.weight_sync", t.weight_sync, ("disk", "distributed"))
     mb = t.weight_sync_bucket_mb
     require(mb >= 1, "train.weight_sync_bucket_mb", mb, "MiB >= 1 (one /update_weights_from_distributed call)")

@@ -27,21 +27,24 @@ class RunConfig:
 
 @dataclass
 class RoleAllocation:
-    backend: str = "cpu"  # server: cpu | sglang; trainer: fsdp
-    workers: int = 1  # servers: independent server instances; trainer: torchrun ranks (world size)
-    gpus_per_worker: int | None = None  # GPUs each worker owns; null = backend default (sglang: tp_size, fsdp: 1)
+    backend: str = "cpu"  # server: cpu | sglang; trainer and critic: fsdp
+    workers: int = 1  # servers: independent server instances; trainer, critic: torchrun ranks (world size)
+    gpus_per_worker: int | None = None  # GPUs a worker owns; null: sglang tp_size, fsdp 1, critic the trainer's
     tp_size: int = 1  # tensor-parallel ranks of one server (sglang: GPUs; cpu: ranks joining the weight group)
     nodes: int = 0  # nodes the role spans; 0 = the fewest that fit
 
 
 @dataclass
 class AllocationConfig:
-    spec: str = ""  # one-line shorthand, e.g. "sglang:d4t2+fsdp:d8"; when set it replaces server/trainer
+    spec: str = ""  # one-line shorthand, e.g. "sglang:d4t2+fsdp:d8+critic:d2"; when set it replaces the roles below
     server: RoleAllocation = field(default_factory=lambda: RoleAllocation(backend="cpu"))  # inference servers
     trainer: RoleAllocation = field(default_factory=lambda: RoleAllocation(backend="fsdp", workers=2))  # trainers
+    critic: RoleAllocation = field(default_factory=lambda: RoleAllocation(backend="fsdp", workers=0))  # 0 = no critic
 
     def roles(self) -> dict[str, RoleAllocation]:
-        return {"server": self.server, "trainer": self.trainer}
+        """The roles that run: server and trainer, and the critic when it has workers."""
+        roles = {"server": self.server, "trainer": self.trainer}
+        return {**roles, "critic": self.critic} if self.critic.workers else roles
 
 
 @dataclass
@@ -74,6 +77,7 @@ def _default_roles() -> dict[str, RoleResources]:
     return {
         "server": RoleResources(setup_timeout_s=1200.0),
         "trainer": RoleResources(setup_timeout_s=600.0),
+        "critic": RoleResources(setup_timeout_s=600.0),
     }
 
 
@@ -133,7 +137,7 @@ class KLConfig:
 @dataclass
 class AlgorithmConfig:
     name: str = "grpo"  # label in logs and metrics; behaviour comes from the fields below
-    advantage: str = "group_norm"  # group_norm: (r-mean)/std in a group | group_center: r-mean | batch_norm
+    advantage: str = "group_norm"  # group_norm: (r-mean)/std in group | group_center: r-mean | batch_norm | gae
     loss_agg: str = "seq_mean_token_mean"  # seq_mean_token_mean | token_mean | seq_mean_token_sum_norm
     group_size: int = 8  # samples per prompt
     clip_low: float = 0.2  # the ratio is clipped below at 1 - clip_low
@@ -145,6 +149,9 @@ class AlgorithmConfig:
     behavior_weight_cap: float = 0.0  # decoupled objective: cap on the behaviour importance weight; 0 = off
     std_eps: float = 1e-6  # added to the group's reward std before dividing
     updates_per_batch: int = 2  # the batch is split in this many disjoint minibatches, one optimizer update each
+    gamma: float = 1.0  # advantage=gae: discount per response token
+    lam: float = 0.95  # advantage=gae: GAE's lambda (1 = Monte Carlo returns minus values, 0 = one-step TD error)
+    value_clip: float = 0.2  # advantage=gae: the critic's values move at most this far per update; 0 = no clipping
 
 
 @dataclass
@@ -159,6 +166,7 @@ class TinyModelConfig:
 class ModelConfig:
     source: str = "tiny"  # tiny: made from model.tiny in the run directory | local: the directory model.path
     path: str = ""  # local Hugging Face model directory (source=local)
+    critic_path: str = ""  # the critic's start: a value model or causal-LM directory; "" = the policy's weights
     dtype: str = "float32"  # float32 | bfloat16 | float16
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)  # sizes of the tiny model (source=tiny)
 
@@ -184,6 +192,7 @@ class TrainConfig:
     warmup_steps: int = 0  # linear LR warm-up steps
     lr_schedule: str = "constant"  # constant | cosine (after warm-up)
     micro_batch_tokens: int = 8192  # tokens per micro-batch on one rank
+    critic_lr: float = 2e-3  # the critic's AdamW learning rate (its other settings are the ones above)
     weight_sync: str = "disk"  # how trainers push weights to servers: disk | distributed
     weight_sync_bucket_mb: int = 512  # distributed: MiB at most per /update_weights_from_distributed call
 

@@ -4,9 +4,11 @@
     ROLE  := BACKEND ":" FIELD+
     FIELD := d<N> workers | t<N> tensor-parallel size | g<N> GPUs per worker | n<N> nodes
 
-The backend names the role: ``cpu`` and ``sglang`` are inference servers, ``fsdp`` is the trainer.
+The backend names the role: ``cpu`` and ``sglang`` are inference servers, ``fsdp`` is the trainer, and
+``critic`` is the value model of ``algorithm.advantage=gae`` (FSDP ranks, like the trainer's; optional).
 Examples: ``sglang:d4t2+fsdp:d8`` (4 SGLang servers of 2 GPUs each, 8 FSDP ranks of 1 GPU),
-``cpu:d1+fsdp:d2g0`` (1 CPU server, 2 trainer ranks on CPU), ``sglang:d8t2n2+fsdp:d16n2``.
+``cpu:d1+fsdp:d2g0`` (1 CPU server, 2 trainer ranks on CPU), ``sglang:d8t2n2+fsdp:d16n2``,
+``sglang:d4t2+fsdp:d8+critic:d4`` (and a critic of 4 FSDP ranks).
 """
 
 from __future__ import annotations
@@ -16,7 +18,11 @@ import re
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import SERVER_BACKENDS, TRAINER_BACKENDS, RoleAllocation
 
-FORM = "BACKEND:FIELDS[+BACKEND:FIELDS], FIELDS from d<workers> t<tp> g<gpus/worker> n<nodes>, e.g. sglang:d4t2+fsdp:d8"
+FORM = (
+    "BACKEND:FIELDS[+BACKEND:FIELDS][+critic:FIELDS], FIELDS from d<workers> t<tp> g<gpus/worker> n<nodes>, "
+    "e.g. sglang:d4t2+fsdp:d8"
+)
+CRITIC = "critic"  # the critic's role, and its name in the shorthand (its backend is fsdp)
 _FIELDS = {"d": "workers", "t": "tp_size", "g": "gpus_per_worker", "n": "nodes"}
 _FIELD_RE = re.compile(r"([a-z])(\d+)")
 
@@ -27,11 +33,12 @@ def role_of(backend: str) -> str | None:
         return "server"
     if backend in TRAINER_BACKENDS:
         return "trainer"
-    return None
+    return CRITIC if backend == CRITIC else None
 
 
 def parse_spec(spec: str) -> dict[str, RoleAllocation]:
-    """Parse a shorthand into one RoleAllocation per role; ConfigError names the bad part."""
+    """Parse a shorthand into one RoleAllocation per role (the critic's only when named); ConfigError names the
+    bad part."""
     roles: dict[str, RoleAllocation] = {}
     for part in spec.strip().split("+"):
         role, alloc = _parse_role(spec, part.strip())
@@ -45,11 +52,14 @@ def parse_spec(spec: str) -> dict[str, RoleAllocation]:
 
 
 def format_spec(roles: dict[str, RoleAllocation]) -> str:
-    """The shorthand of an allocation (inverse of parse_spec for resolved allocations)."""
+    """The shorthand of an allocation (inverse of parse_spec for resolved allocations); a critic without workers
+    is left out."""
     parts = []
-    for role in ("server", "trainer"):
-        a = roles[role]
-        text = f"{a.backend}:d{a.workers}"
+    for role in ("server", "trainer", CRITIC):
+        a = roles.get(role)
+        if a is None or (role == CRITIC and not a.workers):
+            continue
+        text = f"{CRITIC if role == CRITIC else a.backend}:d{a.workers}"
         if a.tp_size != 1:
             text += f"t{a.tp_size}"
         if a.gpus_per_worker is not None:
@@ -64,8 +74,8 @@ def _parse_role(spec: str, part: str) -> tuple[str, RoleAllocation]:
     backend, sep, fields = part.partition(":")
     role = role_of(backend)
     if not sep or role is None:
-        _fail(spec, part, f"a backend among {', '.join(SERVER_BACKENDS + TRAINER_BACKENDS)} then ':'")
-    alloc = RoleAllocation(backend=backend)
+        _fail(spec, part, f"a backend among {', '.join((*SERVER_BACKENDS, *TRAINER_BACKENDS, CRITIC))} then ':'")
+    alloc = RoleAllocation(backend="fsdp" if role == CRITIC else backend)
     if not fields or _FIELD_RE.sub("", fields):
         _fail(spec, part, "fields like d4t2 after the ':'")
     seen = set()

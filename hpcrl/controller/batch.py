@@ -1,4 +1,5 @@
-"""From scored groups to the trainer's sequences: advantages, loss masks, behaviour logprobs, versions."""
+"""From scored groups to the trainer's sequences: advantages, loss masks, behaviour logprobs, versions; for PPO
+with a critic, per-token GAE advantages and returns from the critic's values (``apply_gae``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from hpcrl.config.schema import AlgorithmConfig
 from hpcrl.rollout.workflows.base import Group
 from hpcrl.rpc.messages import SequenceData
 from hpcrl.train.algorithms import compute_advantages
+from hpcrl.train.algorithms.gae import gae_advantages, outcome_token_rewards, whiten
+from hpcrl.train.algorithms.value import explained_variance
 
 
 def to_sequences(groups: list[Group], cfg: AlgorithmConfig) -> list[SequenceData]:
@@ -38,8 +41,11 @@ def to_sequences(groups: list[Group], cfg: AlgorithmConfig) -> list[SequenceData
 def _advantages(groups: list[Group], cfg: AlgorithmConfig) -> list[list[float]]:
     """Each group's advantages. A plug-in workflow's group may hold more than ``group_size`` samples (a conversation
     whose turns did not join trains as several trajectories, ``hpcrl/rollout/proxy``): then each group's are
-    computed over its own samples (the whole batch's, for ``batch_norm``)."""
+    computed over its own samples (the whole batch's, for ``batch_norm``). ``gae``: 0 here, per-token advantages
+    come later from the critic's values (``apply_gae``)."""
     rewards = [[s.reward for s in g.samples] for g in groups]
+    if cfg.advantage == "gae":
+        return [[0.0] * len(r) for r in rewards]
     if all(len(r) == cfg.group_size for r in rewards):
         return compute_advantages(torch.tensor(rewards, dtype=torch.float32), cfg).tolist()
     rows = [[x for r in rewards for x in r]] if cfg.advantage == "batch_norm" else rewards
@@ -79,3 +85,41 @@ def shard(sequences: list[SequenceData], ranks: int) -> list[list[SequenceData]]
         shards[lightest].append(seq)
         load[lightest] += len(seq.input_ids)
     return shards
+
+
+def apply_gae(
+    sequences: list[SequenceData], rewards: list[float], values: list[list[float]], cfg: AlgorithmConfig
+) -> dict[str, float]:
+    """PPO with a critic: set each sequence's per-token ``token_advantages`` (GAE with ``cfg.gamma`` and
+    ``cfg.lam``, whitened over the batch's response tokens), ``returns`` (the critic's targets, not whitened)
+    and ``old_values`` (``values``, the critic's before its update), all aligned with ``input_ids``; return the
+    critic's metrics of this batch.
+
+    ``rewards[i]`` is sequence i's outcome reward, placed on its last response token; ``values[i][t]`` the value
+    of the state in which token t was chosen. Tokens outside the loss mask (prompt, tool output between turns)
+    are skipped by the recursion and get 0. ``critic_explained_var`` compares the values before the update with
+    this batch's returns: above 0, the critic knows more than the mean return.
+    """
+    width = max(len(s.input_ids) for s in sequences)
+    mask = torch.zeros(len(sequences), width)
+    old = torch.zeros(len(sequences), width)
+    for row, (seq, vals) in enumerate(zip(sequences, values, strict=True)):
+        if len(vals) != len(seq.input_ids):
+            raise ValueError(f"sequence {row}: {len(vals)} values for {len(seq.input_ids)} tokens")
+        mask[row, : len(vals)] = torch.tensor(seq.loss_mask, dtype=torch.float32)
+        old[row, : len(vals)] = torch.tensor(vals, dtype=torch.float32)
+    token_rewards = outcome_token_rewards(torch.tensor(rewards, dtype=torch.float32), mask)
+    advantages, returns = gae_advantages(token_rewards, old, mask, cfg.gamma, cfg.lam)
+    advantages = whiten(advantages, mask)
+    for row, seq in enumerate(sequences):
+        n = len(seq.input_ids)
+        seq.token_advantages = advantages[row, :n].tolist()
+        seq.returns = returns[row, :n].tolist()
+        seq.old_values = old[row, :n].masked_fill(mask[row, :n] == 0, 0.0).tolist()
+    keep = mask != 0
+    count = keep.sum().clamp(min=1)
+    return {
+        "critic_explained_var": explained_variance(old, returns, mask),
+        "critic_value_mean": float(old.masked_fill(~keep, 0).sum() / count),
+        "return_mean": float(returns.masked_fill(~keep, 0).sum() / count),
+    }

@@ -2,9 +2,11 @@
 
     prepare: data splits -> prompts as the model sees them (dataset.chat_template) -> model directory (a tiny one is
              made for the task) -> config.yaml + secret
-    start:   scheduler (local, or Slurm) -> server workers + trainer ranks (each registers host:port when it serves)
+    start:   scheduler (local, or Slurm) -> server workers + trainer ranks (+ critic ranks, + rollout workers; each
+             registers host:port when it serves)
     run:     Loop (rollout -> train -> weight sync -> eval -> metrics) until the budget or the target
-    end:     the trained model exported to <run dir>/final/ (Hugging Face layout); trainers shut down over RPC;
+    end:     the trained model exported to <run dir>/final/ (Hugging Face layout), the critic to final_critic/;
+             trainers and critic shut down over RPC;
              leaving the scheduler's block stops every process tree by PID
 
 Healthy shutdown: the loop returns, workers are told to stop, then the scheduler ends what is left.
@@ -64,8 +66,14 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
     run_dir.write_config(dump_config(cfg))
     token = read_token(run_dir.path) if (run_dir.path / "secret").exists() else create_token(run_dir.path)
     alloc = cfg.allocation
-    counts = {"server": alloc.server.workers, "trainer": alloc.trainer.workers, "rollout": cfg.rollout.workers}
-    slots = PortSlots({role: n for role, n in counts.items() if n}, rendezvous=("trainer",))
+    counts = {
+        "server": alloc.server.workers,
+        "trainer": alloc.trainer.workers,
+        "critic": alloc.critic.workers,
+        "rollout": cfg.rollout.workers,
+    }
+    torchrun_roles = ("trainer", "critic") if alloc.critic.workers else ("trainer",)
+    slots = PortSlots({role: n for role, n in counts.items() if n}, rendezvous=torchrun_roles)
     controller = secrets.token_hex(8)  # this controller's id: workers hold their lease on it, and it alone
     lease_s = cfg.cluster.worker_lease_s
     specs = [with_lease(spec, controller, lease_s) for spec in role_specs(cfg)]
@@ -82,11 +90,15 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
         # renews every worker's lease from the moment it registers, and notices one it can no longer reach
         LeaseKeeper(registry, [spec.role for spec in specs], controller, token, lease_s, mark_lost),
     ):
-        servers, trainers, *rollouts = scheduler.start_all(specs)
+        started = dict(zip([spec.role for spec in specs], scheduler.start_all(specs), strict=True))
+        servers, trainers, critics = started["server"], started["trainer"], started.get("critic")
         groups.update(server=lambda: servers, trainer=lambda: trainers)  # rollout workers: RemoteEpisodes copes
+        if critics is not None:
+            groups["critic"] = lambda: critics
         server_entries = servers.wait_ready()
         trainer_entries = trainers.wait_ready()
-        rollout_entries = rollouts[0].wait_ready() if rollouts else []
+        critic_entries = critics.wait_ready() if critics is not None else []
+        rollout_entries = started["rollout"].wait_ready() if "rollout" in started else []
 
         pool = ServerPool(cfg, servers, server_entries, scheduler)
         groups["server"] = lambda: pool.group
@@ -94,12 +106,15 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
         def check_alive() -> None:
             pool.check()  # drops or restarts a dead server (inference.on_server_exit), or raises naming it
             trainers.check_alive()  # a rank the lease keeper could not reach for a whole lease counts as ended
+            if critics is not None:
+                critics.check_alive()
 
         workers = Workers(None, None, rewards, check_alive, servers=pool)  # client and trainers are opened below
         if is_plugin(cfg.workflow.name):  # its proxy, for episodes and evaluation here: a port of the controller's slot
             workers.proxy_host = loopback(worker_addresses(cfg.cluster.net)[0])
             workers.proxy_ports = slots.allocator(slots.controller, port_range(cfg.cluster.net))
-        addresses = [[e.address for e in entries] for entries in (server_entries, trainer_entries, rollout_entries)]
+        roles = (server_entries, trainer_entries, rollout_entries, critic_entries)
+        addresses = [[e.address for e in entries] for entries in roles]
         rows = (train_rows, eval_rows)
         summary = asyncio.run(_drive(cfg, run_dir, workers, addresses, token, rows, preempt))
     plot(run_dir.path / "metrics.jsonl", run_dir.path / "metrics.png")
@@ -110,15 +125,16 @@ async def _drive(cfg, run_dir, workers, addresses, token, rows, preempt) -> dict
     train_rows, eval_rows = rows
     from hpcrl.models.tokenizer import load_tokenizer
 
-    server_addresses, trainer_addresses, rollout_addresses = addresses
+    server_addresses, trainer_addresses, rollout_addresses, critic_addresses = addresses
     tokenizer = load_tokenizer(cfg.model.path)
     pool = workers.servers
     async with (
         InferenceClient(server_addresses, **client_options(cfg)) as client,
         Trainers(trainer_addresses, token, cfg.rollout.temperature) as trainers,
         _episodes(rollout_addresses, token, cfg.rollout.max_concurrent) as episodes,
+        _critics(critic_addresses, token) as critics,
     ):
-        workers.client, workers.trainers, workers.episodes = client, trainers, episodes
+        workers.client, workers.trainers, workers.episodes, workers.critics = client, trainers, episodes, critics
         loop = Loop(cfg, workers, tokenizer, train_rows, eval_rows, run_dir)
         loop.preempt = preempt
         sync = WeightSync(
@@ -141,8 +157,13 @@ async def _drive(cfg, run_dir, workers, addresses, token, rows, preempt) -> dict
         await trainers.export(final)  # the weights the last evaluation measured
         log.info("the trained model, in Hugging Face layout: %s", final)
         summary["final_model"] = str(final)
+        if critics is not None:
+            await critics.export(run_dir.path / FINAL_CRITIC_DIR)  # a value model directory: model.critic_path reads it
+            summary["final_critic"] = str(run_dir.path / FINAL_CRITIC_DIR)
         await sync.close()
         await trainers.shutdown()
+        if critics is not None:
+            await critics.shutdown()
         if episodes is not None:
             log.info("episodes each rollout worker ran, by rank: %s", json.dumps(episodes.completed))
             await episodes.shutdown()
@@ -171,7 +192,20 @@ async def _episodes(addresses: list[str], token: str, max_in_flight: int) -> Asy
         yield episodes
 
 
+@contextlib.asynccontextmanager
+async def _critics(addresses: list[str], token: str) -> AsyncIterator[Any]:
+    """``Critics`` to the critic's ranks, or None without a critic."""
+    if not addresses:
+        yield None
+        return
+    from hpcrl.controller.critics import Critics
+
+    async with Critics(addresses, token) as critics:
+        yield critics
+
+
 FINAL_DIR = "final"  # <run dir>/final/: the trained model at the end of the run
+FINAL_CRITIC_DIR = "final_critic"  # <run dir>/final_critic/: the trained critic (a value model directory)
 
 
 def prepare_rows(cfg: Config, train: list[dict], held_out: list[dict]) -> tuple[list[dict], list[dict]]:

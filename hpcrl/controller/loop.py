@@ -2,23 +2,26 @@
 
 Waits: the loop waits on the rollout executor for a batch of accepted groups (the oldest-started ones: see
 ``hpcrl/rollout/executor.py``), then on the trainers (every rank, one RPC each: the proximal logprobs once for
-decoupled PPO, then ``algorithm.updates_per_batch`` updates), then on the weight sync (servers paused, weights
+decoupled PPO and, with a critic, its values of the batch, both at once; then ``algorithm.updates_per_batch``
+updates, the critic's beside the actor's), then on the weight sync (servers paused, weights
 pushed, resumed). A watchdog checks every second that every worker process is alive; if one dies, the loop is
 cancelled and the watchdog's error (naming the worker) is raised. A restarted server's rejoin runs as a task
 of its own, so the watchdog never waits on a reload.
 
 Checkpoints and resuming (``recovery.py``): every ``checkpoint.every_steps`` steps, after the step's eval, the
-loop takes the controller's state and has the trainers write theirs, writes the step's metrics line, and only
-then marks the checkpoint complete (``controller.json``), so no complete checkpoint lacks its step's line. With
-``recover.mode=auto`` it starts from the newest usable checkpoint (a damaged one, or one the trainers cannot
-load, is set aside for the one before): the trainers load it and the servers get its weights before the
-first rollout.
+loop takes the controller's state and has the trainers write theirs (then the critic its own, in the step
+directory's ``critic/``), writes the step's metrics line, and only then marks the checkpoint complete
+(``controller.json``), so no complete checkpoint lacks its step's line. With ``recover.mode=auto`` it starts
+from the newest usable checkpoint (a damaged one, or one the trainers or the critic cannot load, is set aside
+for the one before): the trainers and the critic load it and the servers get its weights before the first
+rollout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hpcrl.config.schema import Config
-from hpcrl.controller.batch import rollout_stats, shard, to_sequences
+from hpcrl.controller.batch import apply_gae, rollout_stats, shard, to_sequences
 from hpcrl.controller.evaluate import greedy_accuracy
 from hpcrl.controller.metrics import MetricsLog
 from hpcrl.controller.preempt import Preempted, PreemptionGuard
@@ -40,8 +43,10 @@ from hpcrl.rollout.workflows import close_workflow, make_workflow
 from hpcrl.rollout.workflows.base import Group, derive_seed
 from hpcrl.rollout.workflows.plugin import is_plugin
 from hpcrl.rpc.messages import SequenceData
+from hpcrl.train.checkpoint import check_checkpoint
 
 if TYPE_CHECKING:  # types only: importing these here would add the reward pool and RPC to every loop import
+    from hpcrl.controller.critics import Critics
     from hpcrl.controller.servers import ServerPool
     from hpcrl.controller.trainers import Trainers
     from hpcrl.net import PortAllocator
@@ -61,6 +66,7 @@ class Workers:
     servers: ServerPool | None = None  # drops or restarts a dead server
     proxy_host: str = "127.0.0.1"  # a plug-in workflow's proxy here: the loopback address of the run's family
     proxy_ports: PortAllocator | None = None  # ... and the controller's port slot
+    critics: Critics | None = None  # RPC to every critic rank (algorithm.advantage=gae)
 
 
 class Loop:
@@ -71,7 +77,8 @@ class Loop:
         self.resumed.set()
         self.counters = {"reward_errors": 0, "groups_dropped": 0, "groups_equal_reward": 0}
         self.rows = TrainingRows(train_rows, cfg.run.seed)  # the rollout's rows, from a position checkpoints keep
-        self.checkpoints = Checkpoints(run_dir.checkpoints, cfg.checkpoint.keep)
+        check = _check_with_critic if workers.critics is not None else check_checkpoint
+        self.checkpoints = Checkpoints(run_dir.checkpoints, cfg.checkpoint.keep, check_trainers=check)
         self.executor: RolloutExecutor | None = None  # while the loop runs
         self.accuracy_before = self.accuracy = 0.0  # held-out accuracy before step 1, and the latest measured
         self.progress: Callable[[int, dict[str, Any]], None] = lambda step, metrics: None
@@ -206,6 +213,8 @@ class Loop:
         for path, state in resume_candidates(self.cfg.recover.mode, self.checkpoints):
             try:
                 await self.w.trainers.load_checkpoint(path)
+                if self.w.critics is not None:
+                    await self.w.critics.load_checkpoint(path / CRITIC_DIR)
             except RemoteError as e:
                 failed.append(path.name)
                 self.checkpoints.set_aside(path, f"the trainers could not load it: {str(e).splitlines()[0]}")
@@ -227,7 +236,8 @@ class Loop:
         groups = await executor.next_batch()
         t1 = time.monotonic()
         metrics: dict[str, Any] = rollout_stats(groups, version)
-        results = await self._train_on(to_sequences(groups, cfg.algorithm))
+        rewards = [sample.reward for group in groups for sample in group.samples]  # to_sequences' order
+        results = await self._train_on(to_sequences(groups, cfg.algorithm), rewards, metrics)
         t2 = time.monotonic()
         await self._push(sync, step)
         executor.set_version(step)
@@ -247,19 +257,49 @@ class Loop:
         )
         return metrics
 
-    async def _train_on(self, sequences: list[SequenceData]) -> list[dict[str, float]]:
-        """``algorithm.updates_per_batch`` optimizer updates, each on its own disjoint part of the batch.
+    async def _train_on(
+        self, sequences: list[SequenceData], rewards: list[float], metrics: dict[str, Any]
+    ) -> list[dict[str, float]]:
+        """``algorithm.updates_per_batch`` optimizer updates, each on its own disjoint part of the batch; with a
+        critic, its update on the same part at the same time (its metrics prefixed ``critic_``).
 
-        Decoupled PPO's proximal policy is the policy before this step's first update: its logprobs are taken
-        once, for the whole batch, before any update, so every part's ratio is against the same policy."""
+        First, at once: decoupled PPO's proximal logprobs (the policy before this step's first update, taken once
+        for the whole batch, so every part's ratio is against the same policy) and the critic's values, from which
+        GAE gives every token's advantage and return (``apply_gae``; its metrics go into ``metrics``)."""
+        trainers, critics = self.w.trainers, self.w.critics
+        await asyncio.gather(self._proximal(sequences), self._gae(sequences, rewards, metrics))
+        results = []
+        for chunk in _split(sequences, self.cfg.algorithm.updates_per_batch):
+            if critics is None:
+                results.append(await trainers.train_step(shard(chunk, trainers.world_size)))
+                continue
+            actor, critic = await asyncio.gather(
+                trainers.train_step(shard(chunk, trainers.world_size)),
+                critics.train_step(shard(chunk, critics.world_size)),
+            )
+            results.append({**actor, **{f"critic_{k}": critic[k] for k in CRITIC_METRICS if k in critic}})
+        return results
+
+    async def _proximal(self, sequences: list[SequenceData]) -> None:
+        """Decoupled PPO: every sequence's ``prox_logprobs``, the policy's before this step's first update."""
+        if self.cfg.algorithm.behavior_weight_cap <= 0:
+            return
         trainers = self.w.trainers
-        if self.cfg.algorithm.behavior_weight_cap > 0:
-            shards = shard(sequences, trainers.world_size)
-            for part, logprobs in zip(shards, await trainers.compute_logprobs(shards), strict=True):
-                for seq, lp in zip(part, logprobs, strict=True):
-                    seq.prox_logprobs = lp
-        chunks = _split(sequences, self.cfg.algorithm.updates_per_batch)
-        return [await trainers.train_step(shard(c, trainers.world_size)) for c in chunks]
+        shards = shard(sequences, trainers.world_size)
+        for part, logprobs in zip(shards, await trainers.compute_logprobs(shards), strict=True):
+            for seq, lp in zip(part, logprobs, strict=True):
+                seq.prox_logprobs = lp
+
+    async def _gae(self, sequences: list[SequenceData], rewards: list[float], metrics: dict[str, Any]) -> None:
+        """With a critic: its values of the batch, then GAE's per-token advantages, returns and old values."""
+        critics = self.w.critics
+        if critics is None:
+            return
+        shards = shard(sequences, critics.world_size)
+        values = {id(seq): v for part, vs in zip(shards, await critics.values(shards), strict=True)
+                  for seq, v in zip(part, vs, strict=True)}  # fmt: skip
+        stats = apply_gae(sequences, rewards, [values[id(seq)] for seq in sequences], self.cfg.algorithm)
+        metrics.update({k: v for k, v in stats.items() if math.isfinite(v)})  # explained variance: NaN if undefined
 
     def _server_counts(self) -> dict[str, int]:
         pool = self.w.servers
@@ -366,6 +406,8 @@ class Loop:
         start = time.monotonic()
         state = self._state(step)
         await self.w.trainers.save_checkpoint(self.checkpoints.step_dir(step))
+        if self.w.critics is not None:  # after the trainers: their save renames the step directory into place
+            await self.w.critics.save_checkpoint(self.checkpoints.step_dir(step) / CRITIC_DIR)
         return state, round(time.monotonic() - start, 4)
 
     def _state(self, step: int) -> ControllerState:
@@ -404,6 +446,17 @@ class Loop:
         return await greedy_accuracy(
             self.w.client, self.tokenizer, self.eval_rows, self.w.rewards, self.cfg.rollout.max_new_tokens
         )
+
+
+CRITIC_DIR = "critic"  # a checkpoint's critic state: <step dir>/critic/, written like the trainers'
+CRITIC_METRICS = ("loss", "grad_norm", "lr", "clip_frac")  # the critic's train step's, reported as critic_<name>
+
+
+def _check_with_critic(path) -> str | None:
+    """What is wrong with a checkpoint's trainer part or its critic part, or None."""
+    problem = check_checkpoint(path)
+    critic = None if problem else check_checkpoint(path / CRITIC_DIR)
+    return problem or (f"the critic's part: {critic}" if critic else None)
 
 
 def _split(items: list, parts: int) -> list[list]:

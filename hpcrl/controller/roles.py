@@ -2,6 +2,7 @@
 
     server    python -m hpcrl.inference.worker       one per inference server
     trainer   torchrun -> python -m hpcrl.train.worker   one rank per trainer worker, one torchrun per node
+    critic    torchrun -> python -m hpcrl.train.worker --role critic   only with allocation.critic.workers > 0
     rollout   python -m hpcrl.rollout.episode_worker  only with rollout.workers > 0
 
 The one place that turns the config's allocation into processes, for the job (``controller/job.py``), the
@@ -17,8 +18,9 @@ from hpcrl.launch.base import RoleSpec
 
 
 def role_specs(cfg: Config) -> list[RoleSpec]:
-    """Every role the run starts, in the order the scheduler starts them: servers, trainers, rollout workers."""
-    return [server_spec(cfg), trainer_spec(cfg), *rollout_specs(cfg)]
+    """Every role the run starts, in the order the scheduler starts them: servers, trainers, the critic,
+    rollout workers."""
+    return [server_spec(cfg), trainer_spec(cfg), *critic_specs(cfg), *rollout_specs(cfg)]
 
 
 def server_spec(cfg: Config) -> RoleSpec:
@@ -28,6 +30,16 @@ def server_spec(cfg: Config) -> RoleSpec:
 def trainer_spec(cfg: Config) -> RoleSpec:
     # one torchrun per node; a thread per rank is all 2-core CI machines and CPU ranks can use
     return _role_spec(cfg, "trainer", "hpcrl.train.worker", torchrun=True, env={"OMP_NUM_THREADS": "1"})
+
+
+def critic_specs(cfg: Config) -> list[RoleSpec]:
+    """The critic's role, when ``allocation.critic.workers`` > 0 (``algorithm.advantage=gae``): FSDP ranks under
+    torchrun like the trainer's, running the value model. Its resources: ``cluster.roles.critic``, else the
+    trainer's."""
+    if not cfg.allocation.critic.workers:
+        return []
+    env = {"OMP_NUM_THREADS": "1"}
+    return [_role_spec(cfg, "critic", "hpcrl.train.worker", torchrun=True, env=env, args=["--role", "critic"])]
 
 
 def rollout_specs(cfg: Config) -> list[RoleSpec]:
@@ -41,14 +53,16 @@ def rollout_specs(cfg: Config) -> list[RoleSpec]:
     return [_role_spec(cfg, "rollout", "hpcrl.rollout.episode_worker", env={"OMP_NUM_THREADS": "1"})]
 
 
-def _role_spec(cfg: Config, role: str, module: str, torchrun: bool = False, env: dict | None = None) -> RoleSpec:
+def _role_spec(
+    cfg: Config, role: str, module: str, torchrun: bool = False, env: dict | None = None, args: list[str] | None = None
+) -> RoleSpec:
     res = cfg.cluster.roles.get(role) or _default_resources(cfg, role)
     alloc = getattr(cfg.allocation, role, None) or RoleAllocation(
         "cpu", cfg.rollout.workers, gpus_per_worker=0, nodes=1
     )
     return RoleSpec(
         role,
-        [sys.executable, "-m", module],
+        [sys.executable, "-m", module, *(args or [])],
         workers=alloc.workers,
         nodes=alloc.nodes,
         gpus_per_worker=alloc.gpus_per_worker or 0,
@@ -60,7 +74,9 @@ def _role_spec(cfg: Config, role: str, module: str, torchrun: bool = False, env:
 
 
 def _default_resources(cfg: Config, role: str) -> RoleResources:
-    """A role the cluster names no resources for (rollout): a CPU per reward process and one more, and the
-    servers' setup timeout, since rollout workers wait for the servers."""
+    """A role the cluster names no resources for. The critic: the trainer's (the same kind of ranks). Rollout: a
+    CPU per reward process and one more, and the servers' setup timeout, since rollout workers wait for them."""
+    if role == "critic" and "trainer" in cfg.cluster.roles:
+        return cfg.cluster.roles["trainer"]
     server = cfg.cluster.roles.get("server") or RoleResources()
     return RoleResources(setup_timeout_s=server.setup_timeout_s, cpus_per_worker=cfg.reward.workers + 1)

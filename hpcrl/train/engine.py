@@ -95,20 +95,11 @@ class Engine:
         """Load the model from ``model_path``, shard it per decoder layer and at the root, build the optimizer."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        from transformers import AutoModelForCausalLM
 
         if self.dist is None:
             self.dist = init_distributed()
         info = self.dist
-        # master weights stay float32; a bf16 policy only changes what forward/backward compute in
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
-        layers = getattr(getattr(model, "model", None), "layers", None)
-        if layers is None:
-            raise ValueError(
-                f"{self.model_path}: expected a decoder-only model with model.model.layers (Llama/Qwen layout), "
-                f"got {type(model).__name__}"
-            )
-        config = model.config
+        model, layers, config = self._load_model()
         self.pad_id = next((i for i in (config.pad_token_id, config.eos_token_id) if isinstance(i, int)), 0)
         mesh = init_device_mesh(info.device.type, (info.world_size,))
         mp_policy = self._mixed_precision(info.device)
@@ -129,6 +120,20 @@ class Engine:
             info.device,
             mp_policy.param_dtype or torch.float32,
         )
+
+    def _load_model(self) -> tuple[nn.Module, nn.ModuleList, object]:
+        """The model in float32 (master weights; a bf16 policy only changes what forward/backward compute in),
+        its decoder layers (each sharded on its own) and its config (for the pad id)."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if layers is None:
+            raise ValueError(
+                f"{self.model_path}: expected a decoder-only model with model.model.layers (Llama/Qwen layout), "
+                f"got {type(model).__name__}"
+            )
+        return model, layers, model.config
 
     def _mixed_precision(self, device: torch.device):
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -163,6 +168,10 @@ class Engine:
 
     # ---- forward -----------------------------------------------------------------------------------
 
+    def _forward(self, input_ids: Tensor, attention_mask: Tensor, temperature: float) -> Tensor:
+        """What the loss function gets, ``[B, T-1]`` aligned with a MicroBatch: the policy's token logprobs."""
+        return self._logprobs(input_ids, attention_mask, temperature)
+
     def _logprobs(self, input_ids: Tensor, attention_mask: Tensor, temperature: float) -> Tensor:
         model, _ = self.require_setup()
         if not temperature > 0:
@@ -183,25 +192,30 @@ class Engine:
         model.eval()
         return self._logprobs(input_ids.to(info.device), attention_mask.to(info.device), temperature)
 
-    @torch.no_grad()
     def sequence_logprobs(self, sequences: list[Sequence], temperature: float = 1.0) -> list[list[float]]:
         """Per-token logprobs of ``sequences`` aligned with their ``input_ids`` (entry 0 is 0.0).
 
         Micro-batched like ``train_step`` (ranks agree on the count), for recomputing old, proximal or
         reference logprobs of a batch that does not fit in one forward.
         """
+        return self._per_sequence(sequences, temperature)
+
+    @torch.no_grad()
+    def _per_sequence(self, sequences: list[Sequence], temperature: float) -> list[list[float]]:
+        """``_forward`` of every sequence, micro-batched, as lists aligned with its ``input_ids`` (entry 0 is 0.0:
+        column t of the forward is about token t + 1). Collective."""
         model, info = self.require_setup()
         model.eval()
         lengths = [len(s.input_ids) for s in sequences]
         result: list[list[float]] = [[] for _ in sequences]
         for items in plan(lengths, self.train.micro_batch_tokens, info.meta_group):
             if not items:
-                self._logprobs(*self._dummy_inputs(), temperature)  # keeps FSDP's all-gathers matched
+                self._forward(*self._dummy_inputs(), temperature)  # keeps FSDP's all-gathers matched
                 continue
             mb = collate([sequences[i] for i in items], self.pad_id, info.device)
-            logprobs = self._logprobs(mb.input_ids, mb.attention_mask, temperature).cpu()
+            out = self._forward(mb.input_ids, mb.attention_mask, temperature).cpu()
             for row, i in enumerate(items):
-                result[i] = [0.0, *logprobs[row, : lengths[i] - 1].tolist()]
+                result[i] = [0.0, *out[row, : lengths[i] - 1].tolist()]
         return result
 
     def _dummy_inputs(self) -> tuple[Tensor, Tensor]:
@@ -215,8 +229,9 @@ class Engine:
     def train_step(self, sequences: list[Sequence], loss_fn: LossFn, temperature: float = 1.0) -> dict[str, float]:
         """One optimizer step on this rank's ``sequences`` (its share of the global batch).
 
-        ``loss_fn(logprobs [B, T-1], microbatch, normalizer) -> (loss, metrics)`` runs once per non-empty
-        micro-batch; its loss should be the micro-batch's partial sum divided by a ``normalizer`` count.
+        ``loss_fn(outputs [B, T-1], microbatch, normalizer) -> (loss, metrics)`` runs once per non-empty
+        micro-batch (``outputs``: ``_forward``'s, the policy's token logprobs here, a critic's values in
+        ``ValueEngine``); its loss should be the micro-batch's partial sum divided by a ``normalizer`` count.
         Its metrics are read as per-micro-batch means over loss tokens and reported as the loss-token
         weighted mean over the global batch. Returns global ``loss`` (sum of all partial losses),
         ``grad_norm`` (before clipping), ``lr`` (used by this step), ``tokens``, ``loss_tokens``,
@@ -252,11 +267,10 @@ class Engine:
             if not items:
                 # a forward/backward of zero weight: this rank ran out of sequences, yet FSDP's
                 # all-gathers and reduce-scatters must match the other ranks' micro-batches one for one
-                (self._logprobs(*self._dummy_inputs(), temperature).sum() * 0.0).backward()
+                (self._forward(*self._dummy_inputs(), temperature).sum() * 0.0).backward()
                 continue
             mb = collate([sequences[i] for i in items], self.pad_id, info.device)
-            logprobs = self._logprobs(mb.input_ids, mb.attention_mask, temperature)
-            loss, metrics = loss_fn(logprobs, mb, normalizer)
+            loss, metrics = loss_fn(self._forward(mb.input_ids, mb.attention_mask, temperature), mb, normalizer)
             loss.backward()
             loss_sum += loss.detach().double().cpu()
             weight = float(mb.loss_mask.sum())

@@ -1,12 +1,20 @@
-"""The engine's loss function, built from the algorithm config: ``policy_loss`` with global normalisers."""
+"""The engines' loss functions, built from the algorithm config: the actor's ``policy_loss`` and the critic's
+``value_loss``, each with global normalisers."""
 
 from __future__ import annotations
+
+import math
 
 from torch import Tensor
 
 from hpcrl.config.schema import AlgorithmConfig
 from hpcrl.train.algorithms import policy_loss
+from hpcrl.train.algorithms.value import value_loss
 from hpcrl.train.batch import MicroBatch, Normalizer
+
+
+def _denominator(cfg: AlgorithmConfig, normalizer: Normalizer) -> int:
+    return normalizer.tokens if cfg.loss_agg == "token_mean" else normalizer.sequences
 
 
 def make_loss_fn(cfg: AlgorithmConfig, max_new_tokens: int):
@@ -14,21 +22,45 @@ def make_loss_fn(cfg: AlgorithmConfig, max_new_tokens: int):
 
     Each micro-batch's loss is its partial sum divided by the GLOBAL count (loss tokens for token-level
     aggregation, sequences otherwise), so the micro-batch losses of every rank add up to the loss of the
-    whole batch. Dr. GRPO's constant divisor is ``rollout.max_new_tokens``.
+    whole batch. Dr. GRPO's constant divisor is ``rollout.max_new_tokens``. Per-token advantages (GAE) are
+    used where the batch has them, else each sequence's one advantage.
     """
 
     def loss_fn(logprobs: Tensor, mb: MicroBatch, normalizer: Normalizer):
-        denominator = normalizer.tokens if cfg.loss_agg == "token_mean" else normalizer.sequences
         return policy_loss(
             logprobs,
             mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach(),
-            mb.advantages,
+            mb.token_advantages if mb.token_advantages is not None else mb.advantages,
             mb.loss_mask,
             cfg,
             ref_logprobs=mb.ref_logprobs,
             prox_logprobs=mb.prox_logprobs,
             max_tokens=max_new_tokens,
-            global_normalizer=denominator,
+            global_normalizer=_denominator(cfg, normalizer),
         )
+
+    return loss_fn
+
+
+def make_value_loss_fn(cfg: AlgorithmConfig, max_new_tokens: int):
+    """``loss_fn(values, microbatch, normalizer)`` for the critic's ``Engine.train_step``: the clipped value
+    loss against the batch's GAE ``returns``, around its ``old_values`` (``algorithm.value_clip``, 0 = none),
+    reduced like the actor's loss. Metric: ``clip_frac``, the share of tokens whose clipped term is the active one."""
+    clip = cfg.value_clip if cfg.value_clip > 0 else math.inf
+
+    def loss_fn(values: Tensor, mb: MicroBatch, normalizer: Normalizer):
+        if mb.returns is None or mb.old_values is None:
+            raise ValueError("a critic's train step needs returns and old_values on every sequence (from GAE)")
+        loss, clip_frac = value_loss(
+            values,
+            mb.old_values,
+            mb.returns,
+            mb.loss_mask,
+            clip,
+            cfg.loss_agg,
+            max_new_tokens,
+            _denominator(cfg, normalizer),
+        )
+        return loss, {"clip_frac": clip_frac}
 
     return loss_fn

@@ -1,12 +1,13 @@
-"""``torchrun ... python -m hpcrl.train.worker [--run-dir D]``: one trainer rank.
+"""``torchrun ... python -m hpcrl.train.worker [--run-dir D] [--role trainer|critic]``: one trainer or critic rank.
 
-It reads the run's config from the run directory, sets up the FSDP2 engine, serves the trainer RPC
-(``service.py``) on a port of its own slot (rank 0 hosts the weight-update group's rendezvous on another
-port of that slot, on this node, when asked), registers ``host:port`` in the run's registry (which tells
-the controller it is ready) and serves until the controller sends ``shutdown``. It holds a lease on the
-controller (an endpoint of its own on another port, ``hpcrl/launch/lease.py``): with no heartbeat for
-``cluster.worker_lease_s`` the rank SIGTERMs itself, and torchrun then ends the other ranks. torch is
-imported late so argument errors come back at once.
+It reads the run's config from the run directory, sets up the FSDP2 engine (the policy; ``--role critic``: the
+value model of ``value_engine.py``, from ``model.critic_path`` or the policy's weights), serves the trainer RPC
+(``service.py``; the critic's: ``critic_service.py``) on a port of its own slot (a trainer's rank 0 hosts the
+weight-update group's rendezvous on another port of that slot, on this node, when asked), registers
+``host:port`` in the run's registry (which tells the controller it is ready) and serves until the controller
+sends ``shutdown``. It holds a lease on the controller (an endpoint of its own on another port,
+``hpcrl/launch/lease.py``): with no heartbeat for ``cluster.worker_lease_s`` the rank SIGTERMs itself, and
+torchrun then ends the other ranks. torch is imported late so argument errors come back at once.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ log = logging.getLogger("hpcrl.train.worker")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", default=os.environ.get("HPCRL_RUN_DIR"), help="the run directory")
+    parser.add_argument("--role", choices=("trainer", "critic"), default="trainer", help="the policy or the critic")
     args = parser.parse_args(argv)
     if not args.run_dir:
         parser.error("--run-dir (or HPCRL_RUN_DIR) is required")
@@ -33,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     from hpcrl.logs import setup_logging
 
-    setup_logging("trainer", rank)
+    setup_logging(args.role, rank)
     from hpcrl.launch.lease import Lease
 
     lease = Lease.from_env()  # from the start: setting up counts against the lease's grace
@@ -47,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from hpcrl.rpc.auth import read_token
     from hpcrl.rpc.server import RpcServer
     from hpcrl.rundir import RunDir
+    from hpcrl.train.critic_service import CriticService
     from hpcrl.train.dist import init_distributed
     from hpcrl.train.engine import Engine
     from hpcrl.train.service import TrainerService
@@ -56,10 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger().setLevel(cfg.run.log_level)
     info = init_distributed()
     try:
-        engine = Engine(cfg.model.path, cfg.train, cfg.model.dtype, info, total_steps=cfg.run.max_steps)
+        engine = _engine(args.role, cfg, info)
         engine.setup()
         reference = None
-        if cfg.algorithm.kl.coef > 0:  # the frozen initial policy of the KL penalty, sharded like the policy
+        if args.role == "trainer" and cfg.algorithm.kl.coef > 0:  # the KL penalty's frozen initial policy, sharded
             reference = Engine(cfg.model.path, cfg.train, cfg.model.dtype, info, total_steps=cfg.run.max_steps)
             reference.setup()
         advertised, bind = worker_addresses(cfg.cluster.net)
@@ -67,7 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         ports = worker_ports(port_range(cfg.cluster.net))
         port = ports.allocate(1)[0]
         on_gpu = info.device.type == "cuda"
-        service = TrainerService(engine, cfg, rank, reference, weight_host=advertised, ports=ports)
+        if args.role == "critic":
+            service = CriticService(engine, cfg, rank)
+        else:
+            service = TrainerService(engine, cfg, rank, reference, weight_host=advertised, ports=ports)
         server = RpcServer(
             service.handlers(),
             read_token(run_dir.path),
@@ -80,13 +86,24 @@ def main(argv: list[str] | None = None) -> int:
         server.start_in_thread()
         token = read_token(run_dir.path)
         extra = {"lease": lease.serve(token, bind, ports.allocate(1)[0], advertised)} if lease else {}
-        entry = Registry(run_dir.registry).register(Entry("trainer", rank, advertised, port, extra=extra))
+        entry = Registry(run_dir.registry).register(Entry(args.role, rank, advertised, port, extra=extra))
         log.info("ready: trainer RPC at %s (registered in %s)", server.address, entry)
         server.serve_until_stopped()
         log.info("shut down by the controller")
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def _engine(role: str, cfg, info):
+    """The rank's engine: the policy's, or the critic's value model (from model.critic_path, else the policy)."""
+    from hpcrl.train.engine import Engine
+    from hpcrl.train.value_engine import ValueEngine
+
+    if role == "critic":
+        path = cfg.model.critic_path or cfg.model.path
+        return ValueEngine(path, cfg.train, cfg.model.dtype, info, total_steps=cfg.run.max_steps)
+    return Engine(cfg.model.path, cfg.train, cfg.model.dtype, info, total_steps=cfg.run.max_steps)
 
 
 if __name__ == "__main__":
