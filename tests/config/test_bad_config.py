@@ -24,7 +24,8 @@ CLI_CASES = [
     ),
     (
         ["allocation=sglang:d4t2+fsdp"],
-        "allocation.spec='sglang:d4t2+fsdp' is invalid: expected a backend among cpu, sglang, fsdp then ':' in 'fsdp'",
+        "allocation.spec='sglang:d4t2+fsdp' is invalid: expected a backend among cpu, sglang, fsdp, critic then ':' "
+        "in 'fsdp'",
     ),
     (
         ["cluster.roles.server.setup_timeout_s=-5"],
@@ -67,6 +68,11 @@ CLI_CASES = [
     (
         ["algorithm.kl.place=reward"],
         "algorithm.kl.estimator='k2' is invalid: expected k1 with algorithm.kl.place=reward (as a reward penalty",
+    ),
+    (
+        ["algorithm=ppo", "allocation=cpu:d1+fsdp:d2g0"],
+        "allocation.critic.workers=0 is invalid: expected an integer >= 1 with algorithm.advantage=gae: GAE needs a "
+        "critic's values",
     ),
 ]
 
@@ -135,6 +141,17 @@ def test_multirun_fails_before_the_launcher_submits(main_cli, tmp_path):
         (["dataset=files"], "dataset.train_files", "files for name=files"),
         (["run.trial=a/b"], "run.trial", "without '/'"),
         (["run.max_steps=0"], "run.max_steps", "an integer >= 1"),
+        (["algorithm.advantage=gae"], "allocation.critic.workers", "an integer >= 1 with algorithm.advantage=gae"),
+        (["allocation.critic.workers=1"], "allocation.critic.workers", "0 with algorithm.advantage=group_norm"),
+        (["algorithm=reinforce_pp", "model.critic_path=/x"], "model.critic_path", '"" without a critic'),
+        (["algorithm=ppo", "allocation.critic.workers=-1"], "allocation.critic.workers", "an integer >= 0"),
+        (["algorithm=ppo", "allocation.critic.gpus_per_worker=1"], "allocation.critic.gpus_per_worker", "at most"),
+        (["algorithm=ppo", "allocation.critic.tp_size=2"], "allocation.critic.tp_size", "1 (tensor parallelism"),
+        (["algorithm=ppo", "algorithm.lam=1.5"], "algorithm.lam", "[0, 1]"),
+        (["algorithm=ppo", "algorithm.gamma=-0.1"], "algorithm.gamma", "[0, 1]"),
+        (["algorithm=ppo", "algorithm.value_clip=-1"], "algorithm.value_clip", ">= 0 (0 = no value clipping)"),
+        (["algorithm=ppo", "train.critic_lr=0"], "train.critic_lr", "a number > 0"),
+        (["algorithm=ppo", "allocation.spec=cpu:d1+fsdp:d2g0+critic:d2g0n2"], "allocation.critic.nodes", "1 on"),
     ],
 )
 def test_checks_name_the_field_and_the_expected_form(overrides, path, expected):

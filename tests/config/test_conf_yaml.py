@@ -41,7 +41,13 @@ def test_conf_has_every_group():
         ("cluster", "slurm_local"),
     ]:
         assert (CONF_DIR / group / f"{option}.yaml").is_file()
-    assert {p.stem for p in (CONF_DIR / "algorithm").glob("*.yaml")} >= {"grpo", "ppo", "dr_grpo", "dapo"}
+    assert {p.stem for p in (CONF_DIR / "algorithm").glob("*.yaml")} >= {
+        "grpo",
+        "ppo",
+        "dr_grpo",
+        "dapo",
+        "reinforce_pp",
+    }
 
 
 @pytest.mark.parametrize("path", ALL_YAML, ids=lambda p: str(p.relative_to(CONF_DIR)))
@@ -77,6 +83,10 @@ def test_algorithms_differ_in_the_fields_that_define_them():
     assert dapo.clip_high > dapo.clip_low and dapo.drop_equal_reward_groups
     assert ppo.kl.coef > 0 and grpo.kl.coef == 0
     assert (ppo.kl.place, ppo.kl.estimator) == ("reward", "k1")
+    assert ppo.advantage == "gae" and load("algorithm=ppo").allocation.critic.workers == 1, "PPO has a critic"
+    reinforce = load("algorithm=reinforce_pp")
+    assert reinforce.algorithm.advantage == "batch_norm" and reinforce.allocation.critic.workers == 0
+    assert (reinforce.algorithm.kl, reinforce.algorithm.group_size) == (ppo.kl, ppo.group_size)
 
 
 def test_slurm_cluster_defaults_give_servers_twenty_minutes():

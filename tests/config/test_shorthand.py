@@ -19,7 +19,16 @@ def test_parse_every_field_and_any_order():
     assert (t.workers, t.gpus_per_worker, t.nodes) == (16, 1, 2)
 
 
-@pytest.mark.parametrize("spec", ["cpu:d1+fsdp:d2g0", "sglang:d4t2+fsdp:d8", "sglang:d8t2n2+fsdp:d16g1n2"])
+def test_parse_a_critic_role():
+    roles = parse_spec("sglang:d4t2+fsdp:d8+critic:d2n1")
+    assert (roles["critic"].backend, roles["critic"].workers, roles["critic"].nodes) == ("fsdp", 2, 1)
+    assert "critic" not in parse_spec("sglang:d4t2+fsdp:d8"), "no critic unless named"
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["cpu:d1+fsdp:d2g0", "sglang:d4t2+fsdp:d8", "sglang:d8t2n2+fsdp:d16g1n2", "sglang:d4t2+fsdp:d8+critic:d4g1"],
+)
 def test_format_round_trips(spec):
     assert parse_spec(format_spec(parse_spec(spec))) == parse_spec(spec)
 
@@ -52,6 +61,16 @@ def test_malformed_shorthand_names_field_value_and_form(spec, expected):
     message = str(err.value)
     assert message.startswith(f"allocation.spec={spec!r} is invalid")
     assert expected in message and "the form is BACKEND:FIELDS" in message
+
+
+def test_the_critic_resolves_where_the_trainer_is_and_only_with_workers():
+    ppo = load("algorithm=ppo").allocation  # the default job's trainers are on CPUs: so is its critic
+    assert (ppo.critic.workers, ppo.critic.gpus_per_worker, ppo.critic.nodes) == (1, 0, 1)
+    assert "critic" in ppo.roles() and format_spec(ppo.roles()).endswith("+critic:d1g0n1")
+    gpus = load("cluster=slurm", "algorithm=ppo", "allocation.spec=sglang:d4t2+fsdp:d8n1+critic:d8").allocation
+    assert (gpus.critic.gpus_per_worker, gpus.critic.nodes) == (1, 1)
+    grpo = load().allocation
+    assert grpo.critic.workers == 0 and "critic" not in grpo.roles()
 
 
 def test_zero_counts_in_shorthand_are_rejected_when_resolved():

@@ -53,7 +53,7 @@ def test_decoupled_ppo_takes_the_proximal_policy_once_before_the_first_update(tm
     cfg.algorithm = replace(cfg.algorithm, behavior_weight_cap=5.0, updates_per_batch=2)
     trainers = PolicyTrainers()
     loop = make_loop(tmp_path, cfg, trainers=trainers)
-    asyncio.run(loop._train_on([sequence(n) for n in (3, 4, 5, 6)]))
+    asyncio.run(loop._train_on([sequence(n) for n in (3, 4, 5, 6)], [1.0] * 4, {}))
     assert trainers.updates == 2, "two disjoint parts of the batch, one update each"
     first, second = trainers.prox_seen
     assert set(first) == {-1.0}, "the policy before the first update"
@@ -64,7 +64,7 @@ def test_decoupled_ppo_takes_the_proximal_policy_once_before_the_first_update(tm
 def test_without_the_decoupled_objective_no_proximal_logprobs_are_taken(tmp_path):
     trainers = PolicyTrainers()
     trainers.train_step = _record_none(trainers)
-    asyncio.run(make_loop(tmp_path, trainers=trainers)._train_on([sequence(3), sequence(4)]))
+    asyncio.run(make_loop(tmp_path, trainers=trainers)._train_on([sequence(3), sequence(4)], [1.0, 1.0], {}))
     assert trainers.prox_seen == [[None], [None]]
 
 

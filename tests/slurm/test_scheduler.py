@@ -2,6 +2,7 @@
 through the registry, failures read from squeue/sacct, and every job cancelled by id on every way out."""
 
 import json
+import os
 import re
 import signal
 import socket
@@ -231,6 +232,49 @@ def test_a_torchrun_role_spans_two_nodes(slurm_cluster, job_prefix, run_dir):
         job_id = s.job_ids[0]
         rows = sacct_rows(job_id, named(f"{job_prefix}ranks"))
         assert len(expand_hostlist(rows[job_id]["NodeList"])) == 2, rows
+
+
+def test_two_torchrun_roles_of_one_hetjob_meet_each_at_its_own_rendezvous_and_a_dead_rank_names_its_role(
+    slurm_cluster, job_prefix, run_dir
+):
+    """The trainer and the critic (algorithm=ppo) as components of one heterogeneous job, the critic's ranks on two
+    nodes: each role's torchruns meet at the rendezvous its own first node published, and a critic rank that dies
+    ends the job, which fails the critic's group naming the critic and its rank's log."""
+    roles = ("trainer", "critic")
+    slots = PortSlots({"trainer": 1, "critic": 2}, rendezvous=roles)
+    env = {"OMP_NUM_THREADS": "1"}
+    trainer = RoleSpec("trainer", WORKER, workers=1, torchrun=True, env=env, setup_timeout_s=60)
+    critic = RoleSpec("critic", WORKER, workers=2, nodes=2, torchrun=True, env=env, setup_timeout_s=60)
+    with scheduler(run_dir, slots, slurm_cluster, job_prefix, "hetjob") as s:
+        trainers, critics = s.start_all([trainer, critic])
+        trainer_entries, critic_entries = trainers.wait_ready(), critics.wait_ready()
+        assert_listening(critic_entries, slots, "critic")
+        assert [(e.extra["RANK"], e.extra["WORLD_SIZE"]) for e in critic_entries] == [("0", "2"), ("1", "2")]
+        assert [(e.extra["RANK"], e.extra["WORLD_SIZE"]) for e in trainer_entries] == [("0", "1")]
+        critic_nodes = {e.node for e in critic_entries}
+        assert len(critic_nodes) == 2 and trainer_entries[0].node not in critic_nodes, (trainer_entries, critic_entries)
+        job_id = s.job_ids[0]
+        assert (trainers.job_id, critics.job_id) == (f"{job_id}+0", f"{job_id}+1")
+        rows = sacct_rows(job_id, named(f"{job_prefix}trainer", f"{job_prefix}critic"))
+        assert len(expand_hostlist(rows[f"{job_id}+1"]["NodeList"])) == 2, rows
+        # each role's store on its own first node, at a port of its own rendezvous slot
+        published = {role: json.loads((run_dir.registry / f"{role}.rendezvous.json").read_text()) for role in roles}
+        assert published["trainer"]["host"] == trainer_entries[0].node, published
+        assert published["critic"]["host"] in critic_nodes, published
+        for role, found in published.items():
+            low, high = slots.allocator(slots.rendezvous(role)).slice
+            assert low <= found["port"] < high, (role, found)
+
+        (victim,) = [e for e in critic_entries if e.rank == 1]
+        os.kill(victim.pid, signal.SIGKILL)  # the nodes are network namespaces: their PIDs are this host's
+        killed = time.monotonic()
+        err = raises_soon(critics.check_alive)
+        took = time.monotonic() - killed
+    assert isinstance(err, WorkerFailed), err
+    assert err.role == "critic" and err.worker == f"job {job_id}+1", err
+    assert str(err).startswith(f"critic worker job {job_id}+1 "), err
+    assert err.log_file == run_dir.log_file("critic", 1), err.log_file
+    assert took < FAIL_WITHIN_S
 
 
 def test_the_rendezvous_port_is_chosen_on_the_first_node_not_on_the_controller_s(slurm_cluster, job_prefix, run_dir):

@@ -1,0 +1,56 @@
+"""The engines' loss functions: the actor's takes per-token advantages where the batch has them (GAE), and the
+critic's is the clipped value loss against the batch's returns around its old values."""
+
+import pytest
+import torch
+
+from hpcrl.config.schema import AlgorithmConfig
+from hpcrl.train.batch import Normalizer, Sequence, collate
+from hpcrl.train.loss import make_loss_fn, make_value_loss_fn
+
+CFG = AlgorithmConfig(loss_agg="token_mean", advantage="gae", value_clip=0.2)
+
+
+def batch(**fields):
+    seqs = [
+        Sequence([1, 2, 3, 4], [0, 0, 1, 1], advantage=5.0, old_logprobs=[0.0, 0.0, -1.0, -2.0], **fields),
+    ]
+    return collate(seqs, pad_id=0, device=torch.device("cpu"))
+
+
+def test_the_actor_uses_each_tokens_own_advantage_not_the_sequences():
+    mb = batch(token_advantages=[0.0, 0.0, 1.5, -0.5])
+    logprobs = torch.tensor([[-9.0, -1.0, -2.0]], requires_grad=True)  # column t is about token t + 1
+    loss, _ = make_loss_fn(CFG, max_new_tokens=2)(logprobs, mb, Normalizer(tokens=2, sequences=1))
+    loss.backward()
+    # ratio 1 (logprobs == old): d(-A * ratio)/dlogprob = -A per token, divided by the 2 loss tokens
+    assert logprobs.grad.tolist() == [[0.0, -0.75, 0.25]]
+
+
+def test_without_token_advantages_the_sequences_advantage_is_every_tokens():
+    logprobs = torch.tensor([[-9.0, -1.0, -2.0]], requires_grad=True)
+    loss, _ = make_loss_fn(CFG, max_new_tokens=2)(logprobs, batch(), Normalizer(tokens=2, sequences=1))
+    loss.backward()
+    assert logprobs.grad.tolist() == [[0.0, -2.5, -2.5]]
+
+
+def test_the_critics_loss_is_the_clipped_value_loss_around_the_old_values():
+    mb = batch(returns=[0.0, 0.0, 1.0, 1.0], old_values=[0.0, 0.0, 0.5, 0.95])
+    values = torch.tensor([[0.0, 0.5, 1.2]], requires_grad=True)  # token 3's value moved 0.25 past old + clip
+    loss, metrics = make_value_loss_fn(CFG, max_new_tokens=2)(values, mb, Normalizer(tokens=2, sequences=1))
+    # token 2: 0.5 * (0.5 - 1)^2 = 0.125; token 3: max(0.5*(1.2-1)^2, 0.5*(1.15-1)^2) = 0.02, unclipped wins
+    assert loss.item() == pytest.approx((0.125 + 0.02) / 2)
+    assert metrics["clip_frac"].item() == 0.0
+    loss.backward()
+    assert values.grad[0].tolist() == pytest.approx([0.0, -0.25, 0.1])
+
+
+def test_value_clip_zero_turns_clipping_off_and_a_batch_without_returns_is_refused():
+    mb = batch(returns=[0.0, 0.0, 1.0, 1.0], old_values=[0.0, 0.0, 0.0, 0.0])
+    values = torch.tensor([[0.0, 1.5, 1.5]])  # past the return, and further than 0.2 from the old values
+    off = make_value_loss_fn(AlgorithmConfig(value_clip=0.0), 2)(values, mb, Normalizer(2, 1))
+    on = make_value_loss_fn(AlgorithmConfig(value_clip=0.2), 2)(values, mb, Normalizer(2, 1))
+    assert off[0].item() == pytest.approx(0.5 * 0.5**2) and off[1]["clip_frac"].item() == 0.0
+    assert on[0].item() == pytest.approx(0.5 * 0.8**2) and on[1]["clip_frac"].item() == 1.0  # clamped to 0.2
+    with pytest.raises(ValueError, match="needs returns and old_values"):
+        make_value_loss_fn(CFG, 2)(values, batch(), Normalizer(2, 1))
