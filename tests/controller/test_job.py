@@ -111,10 +111,11 @@ def test_two_runs_with_the_same_seed_sample_the_same_rewards(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_killed_trainer_rank_fails_the_run_fast_and_leaves_nothing(tmp_path):
+@pytest.mark.parametrize(("victim", "overrides"), [("trainer-1", []), ("critic-0", ["algorithm=ppo"])])
+def test_a_killed_trainer_or_critic_rank_fails_the_run_fast_and_leaves_nothing(tmp_path, victim, overrides):
     run_dir = tmp_path / "default" / "kill"
     cmd = [sys.executable, "-m", "hpcrl.main", f"run.root={tmp_path}", "run.trial=kill", "run.max_steps=1000"]
-    cmd += ["eval.stop_at_accuracy=0"]
+    cmd += ["eval.stop_at_accuracy=0", *overrides]
     job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
@@ -122,8 +123,7 @@ def test_a_killed_trainer_rank_fails_the_run_fast_and_leaves_nothing(tmp_path):
             assert job.poll() is None, job.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "the run did not reach step 2"
             time.sleep(0.5)
-        victim = json.loads((run_dir / "registry" / "trainer-1.json").read_text())["pid"]
-        os.kill(victim, signal.SIGKILL)
+        os.kill(json.loads((run_dir / "registry" / f"{victim}.json").read_text())["pid"], signal.SIGKILL)
         killed = time.monotonic()
         _, stderr = job.communicate(timeout=120)
         took = time.monotonic() - killed
@@ -132,6 +132,7 @@ def test_a_killed_trainer_rank_fails_the_run_fast_and_leaves_nothing(tmp_path):
             job.kill()
     assert job.returncode != 0
     assert took < 60, f"the controller took {took:.0f} s to notice"
-    assert "trainer worker 1" in stderr, stderr[-3000:]
+    role, rank = victim.split("-")
+    assert f"{role} worker {rank}" in stderr, stderr[-3000:]
     time.sleep(1)
     assert not processes_of(str(run_dir)), "no process of the run may be left alive"
