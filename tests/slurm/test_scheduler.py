@@ -239,7 +239,7 @@ def test_two_torchrun_roles_of_one_hetjob_meet_each_at_its_own_rendezvous_and_a_
 ):
     """The trainer and the critic (algorithm=ppo) as components of one heterogeneous job, the critic's ranks on two
     nodes: each role's torchruns meet at the rendezvous its own first node published, and a critic rank that dies
-    ends the job, which fails the critic's group naming the critic and its rank's log."""
+    ends the job, whose every group (the trainer's too) then fails naming the critic and its rank's log."""
     roles = ("trainer", "critic")
     slots = PortSlots({"trainer": 1, "critic": 2}, rendezvous=roles)
     env = {"OMP_NUM_THREADS": "1"}
@@ -268,7 +268,7 @@ def test_two_torchrun_roles_of_one_hetjob_meet_each_at_its_own_rendezvous_and_a_
         (victim,) = [e for e in critic_entries if e.rank == 1]
         os.kill(victim.pid, signal.SIGKILL)  # the nodes are network namespaces: their PIDs are this host's
         killed = time.monotonic()
-        err = raises_soon(critics.check_alive)
+        err = raises_soon(trainers.check_alive)  # the trainer's component ended FAILED with it, yet names the critic
         took = time.monotonic() - killed
     assert isinstance(err, WorkerFailed), err
     assert err.role == "critic" and err.worker == f"job {job_id}+1", err

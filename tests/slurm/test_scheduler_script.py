@@ -7,6 +7,7 @@ Regenerate the golden file after an intended change with ``HPCRL_UPDATE_GOLDEN=1
 import json
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import threading
@@ -15,12 +16,22 @@ from pathlib import Path
 import pytest
 
 from hpcrl.config.schema import ClusterConfig, RoleResources
-from hpcrl.launch.base import RoleSpec
+from hpcrl.launch.base import RoleSpec, WorkerFailed
+from hpcrl.launch.registry import Registry
 from hpcrl.launch.slots import PortSlots
-from hpcrl.launch.slurm import HetComponent, SlurmScheduler, WorkerTask, render_hetjob_script, role_resources
+from hpcrl.launch.slurm import (
+    HetComponent,
+    SlurmScheduler,
+    SlurmWorkerGroup,
+    WorkerTask,
+    render_hetjob_script,
+    role_resources,
+)
+from hpcrl.launch.slurm.hetjob import ended_first
 from hpcrl.launch.slurm.rendezvous import RendezvousPlan, rendezvous_port, step_key
 from hpcrl.launch.slurm.resources import parse_extra_sbatch, submitit_parameters
 from hpcrl.launch.slurm.task import expand_hostlist, torchrun_argv
+from hpcrl.launch.slurm.watch import JobRef, JobState
 from hpcrl.rundir import RunDir
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -98,6 +109,78 @@ def test_hetjob_script_quotes_every_path_as_the_shell_and_sbatch_read_it(tmp_pat
     lines = script.read_text().splitlines()
     output = next(line for line in lines if line.startswith("#SBATCH --output="))
     assert shlex.split(output.removeprefix("#SBATCH --output=")) == [f"{pattern}/%j_batch.out"]
+
+
+CRITIC = RoleSpec(
+    "critic", ["python", "-m", "hpcrl.train.worker", "--role", "critic"], workers=2, gpus_per_worker=1, torchrun=True
+)
+
+
+def test_the_hetjob_script_records_which_component_s_step_ended_first(tmp_path):
+    """Every component of a hetjob ends FAILED with the script's status, whichever role failed: the script must
+    say which step ended first, or the controller names the first role it checks (the server) for a dead critic."""
+    folder = tmp_path / "slurm"
+    folder.mkdir()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # component 2 (the critic) fails at once; the others run on until the script ends them
+    srun = '#!/bin/bash\nif [ "$1" = --het-group=2 ]; then exit 3; fi\nexec sleep 30\n'
+    (bin_dir / "srun").write_text(srun)
+    (bin_dir / "srun").chmod(0o755)
+    specs = (SERVER, TRAINER, CRITIC)
+    comps = [HetComponent(s.role, role_resources(s, CLUSTER, s.role), folder / f"{s.role}.pkl") for s in specs]
+    script = tmp_path / "job.sh"
+    script.write_text(render_hetjob_script(comps, folder, python="python"))
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "77"}
+    # its own session, so that the sleeps it leaves behind (Slurm would end them) go with it
+    proc = subprocess.Popen(["bash", str(script)], env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=20)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 3
+    assert ended_first(folder, "77") == 2
+    assert "the step of component 2 (critic) ended first, with status 3" in stderr, stderr
+    assert ended_first(folder, "78") is None  # a job whose script has recorded nothing (yet)
+
+
+class _Watcher:
+    """Every component of the job has ended in ``state`` (FAILED: as Slurm reports a hetjob whose script exited 1)."""
+
+    def __init__(self, state: str = "FAILED"):
+        self.found = JobState(state, "1:0")
+
+    def state(self, job):
+        return self.found
+
+
+def test_every_component_of_a_failed_hetjob_names_the_role_whose_step_ended_first(tmp_path):
+    run_dir = RunDir.create(tmp_path, "exp", "trial")
+    folder = run_dir.path / "slurm"
+    folder.mkdir()
+    registry = Registry(run_dir.registry)
+    groups = [
+        SlurmWorkerGroup(spec, registry, JobRef("77", k), _Watcher(), folder, run_dir)
+        for k, spec in enumerate((SERVER, TRAINER, CRITIC))
+    ]
+    (run_dir.logs / "critic-1.log").write_text("critic rank 1: out of memory\n")
+    torchrun = "Root Cause (first observed failure):\n[0]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : -9\n"
+    (folder / "77+2_0_log.err").write_text(torchrun)  # torchrun's report names the rank that died
+    with pytest.raises(WorkerFailed, match=r"^server worker job 77\+0 FAILED"):
+        groups[0].check_alive()  # a component alone, as before: no record to go by
+    for group in groups:
+        group.het_groups = groups
+    with pytest.raises(WorkerFailed, match=r"^server worker job 77\+0 FAILED"):
+        groups[0].check_alive()  # the script recorded nothing: no culprit is made up
+    (folder / "77_ended_first").write_text("2\n")
+    for group in groups:  # the controller checks the server first, then the trainer, then the critic
+        with pytest.raises(WorkerFailed) as err:
+            group.check_alive()
+        assert (err.value.role, err.value.worker, err.value.state) == ("critic", "job 77+2", "FAILED")
+        assert err.value.log_file == run_dir.logs / "critic-1.log" and "out of memory" in str(err.value)
+    groups[0].watcher = _Watcher("CANCELLED")  # scancel: every component at once, whichever step ended first
+    with pytest.raises(WorkerFailed, match=r"^server worker job 77\+0 CANCELLED"):
+        groups[0].check_alive()
 
 
 def test_role_resources_follow_the_spec_the_role_and_the_cluster():

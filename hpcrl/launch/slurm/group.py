@@ -2,7 +2,9 @@
 
 Its state comes from the scheduler's ``JobWatcher`` (squeue and sacct, cached); ``wait_ready`` counts the
 setup timeout from when Slurm starts the job, not from submission; a job that has ended in any way fails
-``check_alive`` with the failing worker's log and the ends of the job's output files. ``steps.py``'s
+``check_alive`` with the failing worker's log and the ends of the job's output files. The components of one
+heterogeneous job end together, all FAILED with its batch script's status: every one of them then reports the
+role whose step ended first (``hetjob.ended_first``), whichever group the controller checks first. ``steps.py``'s
 ``StepWorkerGroup`` is the same group run as an srun step of the controller's own job.
 """
 
@@ -17,6 +19,7 @@ from pathlib import Path
 from hpcrl.launch.base import RoleSpec, WorkerFailed, WorkerGroup
 from hpcrl.launch.process import _signals_held, read_tail
 from hpcrl.launch.registry import Entry, Registry
+from hpcrl.launch.slurm.hetjob import ended_first
 from hpcrl.launch.slurm.watch import JobRef, JobState, JobWatcher, cancel, wait_gone
 from hpcrl.rundir import RunDir
 
@@ -55,6 +58,9 @@ class SlurmWorkerGroup(WorkerGroup):
         self.stop_timeout_s = stop_timeout_s
         self._stopped = False
         self._queued_since: float | None = None  # when queued() first saw the job waiting
+        # a hetjob component's group: the groups of every component of its job, in component order (the scheduler
+        # sets them), to name the one whose step ended first
+        self.het_groups: list[SlurmWorkerGroup] = []
 
     @property
     def job_id(self) -> str:
@@ -108,9 +114,21 @@ class SlurmWorkerGroup(WorkerGroup):
     def check_alive(self) -> None:
         state = self.state()
         if state.final:
-            tail, log_file = self._failure_report(state)
-            raise WorkerFailed(self.role, f"job {self.job}", state.state, tail, log_file)
+            # scancel ends every component at once, and a step may end before the script: none is the culprit
+            culprit = self._first_ended() if state.state != "CANCELLED" else self
+            found = culprit.state() if culprit is not self else state
+            raise culprit._failure(found if found.final else state)
         self._check_lost(f"job {self.job}")
+
+    def _failure(self, state: JobState) -> WorkerFailed:
+        tail, log_file = self._failure_report(state)
+        return WorkerFailed(self.role, f"job {self.job}", state.state, tail, log_file)
+
+    def _first_ended(self) -> SlurmWorkerGroup:
+        """The group whose step ended first and so ended this one's heterogeneous job; this group itself for a job
+        of its own, or when the job's batch script recorded none."""
+        k = ended_first(self.folder, self.job.job_id) if self.het_groups else None
+        return self.het_groups[k] if k is not None and k < len(self.het_groups) else self
 
     def _check_lost(self, what: str) -> None:
         """A worker the controller cannot reach fails the whole job (or step): one job holds all of the role."""

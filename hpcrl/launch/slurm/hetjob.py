@@ -13,13 +13,16 @@ component's tasks load with ``python -m hpcrl.launch.slurm``::
     <cluster.setup>
     ( <role 0's setup>; exec srun --het-group=0 ... python -m hpcrl.launch.slurm <pickle 0> ) &
     ( <role 1's setup>; exec srun --het-group=1 ... python -m hpcrl.launch.slurm <pickle 1> ) &
-    wait -n; exit with its status
+    wait -n; write which component's step ended first to <folder>/<id>_ended_first; exit with its status
 
     output of component k: its tasks' -> <folder>/<id>+<k>_<task>_log.out|err (a plain worker writes to its
     own log instead), srun's own messages (which task failed) -> <folder>/<id>+<k>_srun.err
 
 The roles share one fate: once the first component's step ends (a worker failed, or all of them
 returned), the script exits and Slurm ends every component, so no role runs on alone, holding nodes.
+Every component then ends FAILED with the script's status, whichever role failed: the script records
+the component whose step ended first (``ended_first``), so that the controller names that role (the
+critic's, say), not the first role it happens to check (``group.py``).
 
 Quoting: values in ``#SBATCH`` lines and in the script are quoted with ``shlex.quote`` (sbatch splits
 its lines as a shell does); ``%`` in paths that srun reads as file name patterns is doubled.
@@ -38,6 +41,7 @@ from pathlib import Path
 from hpcrl.launch.slurm.resources import JobResources, sbatch_lines, sbatch_quote
 
 SBATCH_TIMEOUT_S = 60.0  # the longest sbatch may take to answer
+ENDED_FIRST = "ended_first"  # <folder>/<job id>_ended_first: the component whose step ended first
 
 
 @dataclass(frozen=True)
@@ -71,20 +75,37 @@ def render_hetjob_script(
     lines += ["", "# setup", *setup] if setup else []
     # the folder as a path (for the shell), and as srun reads it in --output patterns
     lines += ["", f"folder={shlex.quote(str(folder))}", f"logs={shlex.quote(_literal(folder))}"]
+    lines.append(f"roles=({' '.join(shlex.quote(c.role) for c in components)})")
     for k, component in enumerate(components):
         lines += ["", f"# component {k}: {component.role}", "("]
         lines += [f"  {line}" for line in component_step(k, component, python)]
-        lines.append(") &")
+        lines += [") &", f"pids[{k}]=$!"]
     lines += [
         "",
         "# the roles share one fate: when one component's step ends, the job ends and Slurm stops the others",
         "wait -n",
         "status=$?",
-        'echo "hpcrl: a component step ended with status $status; ending the heterogeneous job" >&2',
+        "# the one that ended: its process is gone, the others run until this script exits (bash 4.3's wait -n",
+        "# does not say which)",
+        "first=? role=?",
+        'for k in "${!pids[@]}"; do kill -0 "${pids[$k]}" 2>/dev/null || { first=$k role=${roles[$k]}; break; }; done',
+        f'echo "$first" > "$folder/${{SLURM_JOB_ID}}_{ENDED_FIRST}"',
+        'echo "hpcrl: the step of component $first ($role) ended first, with status $status; ending the heterogeneous '
+        'job" >&2',
         "exit $status",
         "",
     ]
     return "\n".join(lines)
+
+
+def ended_first(folder: Path, job_id: str) -> int | None:
+    """The component of heterogeneous job ``job_id`` whose step ended first, as its batch script recorded it; None
+    while it runs, or where the script could not tell."""
+    try:
+        text = (Path(folder) / f"{job_id}_{ENDED_FIRST}").read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def component_step(k: int, component: HetComponent, python: str = sys.executable) -> list[str]:

@@ -14,7 +14,9 @@ directory's registry, which ``wait_ready`` reads.
 Failures: ``check_alive`` reads the job's (or component's) state from squeue and sacct through the
 scheduler's one ``JobWatcher`` (cached, every call with a timeout) and raises
 ``WorkerFailed(role, "job <id>", state, log tail)`` once it has ended in any way: FAILED, CANCELLED,
-TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, PREEMPTED, or COMPLETED while still needed. The log tail is the
+TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, PREEMPTED, or COMPLETED while still needed. In a heterogeneous job,
+whose components end together, the group of every component raises the failure of the role whose step
+ended first (the critic's ranks, say), so the run names that role whichever group it checks first. The log tail is the
 failing worker's own log (the rank srun or torchrun names, else the role's newest log), then the ends of
 the job's output files in the submitit folder (srun's and torchrun's messages, tracebacks of a task that
 failed before it became the worker).
@@ -135,7 +137,10 @@ class SlurmScheduler(Scheduler):
         script.rename(self.folder / f"{job_id}_submission.sh")
         parts = ", ".join(f"{spec.role} {job_id}+{k}" for k, spec in enumerate(specs))
         log.info("submitted heterogeneous Slurm job %s: %s", job_id, parts)
-        return [self._group(spec, JobRef(job_id, k)) for k, spec in enumerate(specs)]
+        groups = [self._group(spec, JobRef(job_id, k)) for k, spec in enumerate(specs)]
+        for group in groups:  # they end together: each names the role whose step ended first
+            group.het_groups = groups
+        return groups
 
     def _start_steps(self, specs: list[RoleSpec]) -> list[SlurmWorkerGroup]:
         """Each spec as an srun step of het group 1, 2, ... of the job this controller runs in (steps.py)."""
