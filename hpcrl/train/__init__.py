@@ -1,6 +1,6 @@
 """Training: the torchrun FSDP2 worker and engine, algorithms, micro-batching, checkpoints, weight push.
 
-``value_model.py`` (a critic: the policy's backbone with a scalar value head) and the GAE and value-loss
-functions in ``algorithms/gae.py`` and ``algorithms/value.py`` are the first layer of PPO with a learned
-critic (issue 23); no role, config field or loop uses them yet.
+The same worker runs the critic of PPO with a learned critic (``--role critic``): ``value_engine.py`` shards
+``value_model.py`` (the policy's backbone with a scalar value head) like the policy, ``critic_service.py``
+serves it, and ``algorithms/gae.py`` and ``algorithms/value.py`` hold GAE and the clipped value loss.
 """

@@ -1,7 +1,6 @@
 """The critic's network: the policy's transformer backbone with a scalar value head, one value per token.
 
-Not used yet: the critic role (its FSDP2 ranks, optimizer, checkpoints), ``model.critic_path`` and the loop
-that trains it are the later steps of issue 23. This module is the model alone.
+The critic's ranks shard it in ``value_engine.py``; this module is the model alone.
 
 A value model directory is the backbone in the Hugging Face layout (``config.json``, ``model.safetensors``,
 as ``AutoModel`` saves a bare decoder) plus ``value_head.safetensors`` (the head's ``weight`` and ``bias``).

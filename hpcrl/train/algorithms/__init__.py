@@ -1,16 +1,17 @@
 """RL objectives as small pure tensor functions, selected by ``AlgorithmConfig`` fields, never by name.
 
-GRPO, Dr. GRPO, DAPO and critic-free PPO differ only in the fields these two entry points read:
+GRPO, Dr. GRPO, DAPO, REINFORCE++ and PPO differ only in the fields these two entry points read:
 
-- ``compute_advantages(rewards, cfg)``: ``algorithm.advantage`` picks an estimator from ``ESTIMATORS``.
+- ``compute_advantages(rewards, cfg)``: ``algorithm.advantage`` picks an estimator from ``ESTIMATORS`` (``gae``,
+  which needs the critic's values, is the controller's ``apply_gae`` instead).
 - ``policy_loss(...)``: the clipped surrogate (``clip_low``/``clip_high``), optionally against a proximal
   policy with capped behaviour weights (``behavior_weight_cap``), with a KL term to the reference policy
   (``kl.coef``) where ``kl.place`` puts it, reduced by ``loss_agg``.
 
-For PPO with a learned critic, ``gae.py`` (GAE advantages and returns per token, outcome-reward placement,
-batch whitening) and ``value.py`` (the clipped value loss, explained variance) hold the functions; no config
-field selects them yet and the trainer does not call them (the critic role and the loop are issue 23's
-later steps).
+For PPO with a learned critic (``algorithm.advantage=gae``), ``gae.py`` (GAE advantages and returns per token,
+outcome-reward placement, batch whitening; called by the controller with the critic's values) and ``value.py``
+(the clipped value loss the critic trains on, explained variance) hold the functions; ``policy_loss`` then gets
+each token's own advantage.
 
 The KL term (``hpcrl/config/checks.py`` holds the rule and its reference): ``kl.place=loss`` adds
 ``kl.coef * k2`` to each token's loss, whose expected gradient is that of each token's KL(pi || ref) at the

@@ -1,7 +1,7 @@
 """GAE for PPO with a learned critic: per-token advantages and returns, and batch whitening.
 
-Not used yet: the critic role, ``algorithm.gamma``/``algorithm.lam`` and the loop that calls these are the
-later steps of issue 23; today ``algorithm=ppo`` is the critic-free variant (``advantages.batch_norm``).
+``algorithm.advantage=gae`` (``algorithm=ppo``): the controller calls these on each batch with the critic's
+values (``hpcrl/controller/batch.py``'s ``apply_gae``), with ``algorithm.gamma`` and ``algorithm.lam``.
 
 Layout: every tensor is ``[batch, seq]``, right-padded, aligned like a ``MicroBatch``'s per-token tensors
 (column ``t`` is about the token the sequence predicts there); ``mask`` is non-zero on the response tokens

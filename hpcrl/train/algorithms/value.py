@@ -1,7 +1,7 @@
 """The critic's objective and its main diagnostic: the clipped value loss and explained variance.
 
-Not used yet: the critic role that trains on this loss, ``algorithm.value_clip`` and the loop's value
-metrics are the later steps of issue 23.
+The critic's ranks train on this loss (``hpcrl/train/loss.py``'s ``make_value_loss_fn``, clip
+``algorithm.value_clip``); the controller reports explained variance each step (``critic_explained_var``).
 
 Tensors are ``[batch, seq]`` with a ``mask`` non-zero on the tokens that carry loss, as in ``gae.py``.
 ``values`` are the critic's predictions now (with gradient); ``old_values`` are its predictions when the
