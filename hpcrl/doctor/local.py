@@ -5,6 +5,7 @@
     ports           the port range (cluster.net.port_min..port_max, or the default) against the kernel's
                     ephemeral range, its slices (one per listener of the run), and which of its ports are free
     setup timeout   the model's size on disk -> an estimate of its load time -> cluster.roles.<role>.setup_timeout_s
+                    of each role that loads it: server, trainer, and the critic when the run has one
 
 What this machine sees is only half of it on Slurm: ``nodes.py`` repeats the run-root and address checks
 from a compute node.
@@ -22,6 +23,8 @@ from pathlib import Path
 from hpcrl.config.schema import Config
 from hpcrl.doctor.report import Result, fail, ok, warn
 from hpcrl.launch.addresses import port_range, worker_addresses
+from hpcrl.launch.base import RoleSpec
+from hpcrl.launch.slots import PortSlots
 from hpcrl.net import default_port_range, ephemeral_range, family_of, has_ipv6, is_ipv6, is_port_free
 
 # A conservative read rate for model weights: a shared filesystem while every worker of the run reads at once
@@ -30,7 +33,7 @@ LOAD_GB_PER_S = 0.5
 STARTUP_S = 120.0
 MARGIN = 1.5  # a timeout below MARGIN x the estimate leaves too little slack on a busy day: warn
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-MODEL_ROLES = ("server", "trainer")  # the roles that load the model
+MODEL_ROLES = ("server", "trainer", "critic")  # the roles that load the model (the critic: its backbone)
 
 
 def local_checks(cfg: Config) -> Iterator[Result]:
@@ -122,8 +125,9 @@ def check_ports(cfg: Config) -> Result:
 
 
 def check_setup_timeouts(cfg: Config) -> Iterator[Result]:
+    model_specs = [spec for spec in run_specs(cfg) if spec.role in MODEL_ROLES]
     if cfg.model.source == "tiny":
-        timeouts = ", ".join(f"{role} {_timeout(cfg, role):g} s" for role in MODEL_ROLES)
+        timeouts = ", ".join(f"{spec.role} {spec.setup_timeout_s:g} s" for spec in model_specs)
         yield ok("setup timeout", f"model.source=tiny loads in seconds; any timeout covers it ({timeouts})")
         return
     size_gb = model_size_gb(Path(cfg.model.path))
@@ -135,8 +139,8 @@ def check_setup_timeouts(cfg: Config) -> Iterator[Result]:
         )
         return
     needed_s = STARTUP_S + size_gb / LOAD_GB_PER_S
-    for role in MODEL_ROLES:
-        yield _check_role_timeout(role, _timeout(cfg, role), size_gb, needed_s)
+    for spec in model_specs:
+        yield _check_role_timeout(spec.role, spec.setup_timeout_s, size_gb, needed_s)
 
 
 def model_size_gb(path: Path) -> float | None:
@@ -162,15 +166,19 @@ def _check_role_timeout(role: str, timeout_s: float, size_gb: float, needed_s: f
     return ok(check, f"{key}={timeout_s:g} s covers it: {estimate}")
 
 
-def _timeout(cfg: Config, role: str) -> float:
-    # checks.validate requires resources for both model roles, so the key is there
-    return cfg.cluster.roles[role].setup_timeout_s
+def run_specs(cfg: Config) -> list[RoleSpec]:
+    """The roles the run starts, as it starts them (``hpcrl/controller/roles.py``): the critic only when it has
+    workers, and each role's setup timeout as the run takes it."""
+    from hpcrl.controller.roles import role_specs
+
+    return role_specs(cfg)
 
 
 def _listeners(cfg: Config) -> int:
-    """The port range's slices: the controller's and one per worker (as ``PortSlots`` cuts it)."""
-    a = cfg.allocation
-    return 1 + a.server.workers + a.trainer.workers + cfg.rollout.workers
+    """The port range's slices, as the run's ``PortSlots`` cuts it: the controller's, one per worker of every
+    role, and a rendezvous slot for each torchrun role (the trainer's, the critic's)."""
+    specs = run_specs(cfg)
+    return PortSlots({s.role: s.workers for s in specs}, rendezvous=[s.role for s in specs if s.torchrun]).world
 
 
 def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:

@@ -7,8 +7,10 @@
     run root on nodes   a job writes ``<probe folder>/from-node``, in run.root; this machine reads it back
     gpu                 (GPU clusters) a job with one GPU runs ``probe gpu``; its report -> ``gpu.gpu_results``
 
-The jobs ask for what the role they stand in for asks (``role_resources``: partition, account, qos, extra
-sbatch options, setup, env), shrunk to one task and ``PROBE_TIME_MIN``. They share one deadline; a job still
+The jobs ask for what the role they stand in for asks (``role_resources`` of the role as the run starts it:
+partition, account, qos, extra sbatch options, setup, env), shrunk to one task and ``PROBE_TIME_MIN``; the
+network and storage probes stand in for the servers, the GPU probe for the first role that asks for GPUs (the
+servers, the trainer or the critic). They share one deadline; a job still
 queued at the deadline makes its check a ``warn`` (not checked), one still running a ``fail``. Every job
 is cancelled by id when the checks end, however they end. The probe folder
 (``<run.root>/.hpcrl-doctor/<stamp>``: scripts, outputs) is removed unless a check failed.
@@ -31,7 +33,7 @@ from pathlib import Path
 from hpcrl.config.schema import Config
 from hpcrl.doctor.gpu import gpu_results, gpu_role, read_report
 from hpcrl.doctor.jobs import ProbeJobs, output_tail, probe_script
-from hpcrl.doctor.local import run_root
+from hpcrl.doctor.local import run_root, run_specs
 from hpcrl.doctor.probe import TIMEOUT_S, listen, read_line, send_line
 from hpcrl.doctor.report import Result, fail, ok, warn
 from hpcrl.launch.slurm.group import QUEUED_STATES
@@ -99,9 +101,7 @@ class Probe(ABC):
             self.error = str(e)
 
     def resources(self, name: str) -> JobResources:
-        from hpcrl.controller.roles import server_spec, trainer_spec
-
-        spec = {"server": server_spec, "trainer": trainer_spec}[self.role](self.cfg)
+        (spec,) = [spec for spec in run_specs(self.cfg) if spec.role == self.role]
         res = role_resources(spec, self.cfg.cluster, name)
         return replace(
             res,

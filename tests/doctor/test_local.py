@@ -7,6 +7,7 @@ import pytest
 
 from hpcrl.doctor.checks import Options, load_config, run_checks
 from hpcrl.doctor.local import check_address, check_ports
+from hpcrl.doctor.nodes import GpuProbe
 from hpcrl.net import discover_host, ephemeral_range, has_ipv6, is_port_free
 from tests.doctor.conftest import run_doctor
 
@@ -53,9 +54,10 @@ def test_a_port_range_inside_the_ephemeral_range_fails_with_advice(tmp_path):
 
 
 def test_a_slice_of_the_port_range_with_no_free_port_fails(tmp_path):
-    # four listeners (the controller, a server, two trainers): four slices of one port; one of them taken
-    low = next(p for p in range(21000, 30000, 7) if all(is_port_free(p + k) for k in range(4)))
-    cfg = load_config(["cluster=local", f"cluster.net.port_min={low}", f"cluster.net.port_max={low + 4}"])
+    # five listeners (the controller, a server, two trainers, the trainers' rendezvous): five slices of one port;
+    # one of them taken
+    low = next(p for p in range(21000, 30000, 7) if all(is_port_free(p + k) for k in range(5)))
+    cfg = load_config(["cluster=local", f"cluster.net.port_min={low}", f"cluster.net.port_max={low + 5}"])
     assert check_ports(cfg).status == "ok"
     with socket.create_server(("0.0.0.0", low + 2)):
         result = check_ports(cfg)
@@ -69,6 +71,41 @@ def test_a_setup_timeout_shorter_than_the_model_load_fails_with_advice(tmp_path,
     assert "cluster.roles.server.setup_timeout_s=10 s, but the model" in found["setup timeout server"].found
     assert "raise it: cluster.roles.server.setup_timeout_s=" in found["setup timeout server"].advice
     assert found["setup timeout trainer"].status == "ok"
+
+
+def test_the_port_range_is_cut_as_the_run_cuts_it_with_a_critic(tmp_path):
+    """The run's PortSlots: the controller, each worker, and a rendezvous slot for each torchrun role. With the
+    critic (algorithm=ppo, 2 ranks): 1 + 1 server + 2 trainers + 2 critics + 2 rendezvous = 8 slices."""
+    low = next(p for p in range(21000, 30000, 11) if all(is_port_free(p + k) for k in range(8)))
+    ports = [f"cluster.net.port_min={low}", f"cluster.net.port_max={low + 7}"]
+    result = check_ports(load_config(["cluster=local", "algorithm=ppo", "allocation.critic.workers=2", *ports]))
+    assert result.status == "fail" and "has 7 ports for 8 listeners" in result.found, result
+    ports = [f"cluster.net.port_min={low}", f"cluster.net.port_max={low + 8}"]
+    result = check_ports(load_config(["cluster=local", "algorithm=ppo", "allocation.critic.workers=2", *ports]))
+    assert result.status == "ok" and "8 slices of 1" in result.found, result
+
+
+def test_the_critic_s_setup_timeout_is_checked_against_the_model_load(tmp_path, weights):
+    found = checks("cluster=local", f"run.root={tmp_path}", "model=local", f"model.path={weights}", "algorithm=ppo",
+                   "cluster.roles.critic.setup_timeout_s=10")  # fmt: skip
+    assert found["setup timeout critic"].status == "fail", found["setup timeout critic"]
+    assert "cluster.roles.critic.setup_timeout_s=10 s, but the model" in found["setup timeout critic"].found
+    assert found["setup timeout trainer"].status == "ok"
+    without = checks("cluster=local", f"run.root={tmp_path}", "model=local", f"model.path={weights}")
+    assert "setup timeout critic" not in without, "a run without a critic starts none"
+    tiny = checks("cluster=local", f"run.root={tmp_path}", "algorithm=ppo")["setup timeout"]
+    assert tiny.found.endswith("(server 300 s, trainer 300 s, critic 300 s)"), tiny
+
+
+def test_the_gpu_probe_job_asks_for_what_the_critic_asks_when_only_the_critic_has_gpus():
+    allocation = "allocation=cpu:d1+fsdp:d2g0+critic:d2g1"
+    critic = ["cluster.roles.critic.partition=critic-gpus", "+cluster.roles.critic.env.WHERE=critic"]
+    cfg = load_config(["cluster=slurm", "algorithm=ppo", allocation, *critic])
+    probe = GpuProbe(cfg, "python")
+    assert probe.role == "critic"
+    res = probe.resources("hpcrl-doctor-gpu")
+    assert (res.partition, res.gpus_per_node, res.nodes, res.ntasks_per_node) == ("critic-gpus", 1, 1, 1)
+    assert probe.env()["WHERE"] == "critic"
 
 
 def test_a_loopback_address_fails_on_slurm():
