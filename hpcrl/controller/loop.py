@@ -211,13 +211,15 @@ class Loop:
 
         failed = []
         for path, state in resume_candidates(self.cfg.recover.mode, self.checkpoints):
+            who = "the trainers"
             try:
                 await self.w.trainers.load_checkpoint(path)
                 if self.w.critics is not None:
+                    who = "the critic"
                     await self.w.critics.load_checkpoint(path / CRITIC_DIR)
             except RemoteError as e:
                 failed.append(path.name)
-                self.checkpoints.set_aside(path, f"the trainers could not load it: {str(e).splitlines()[0]}")
+                self.checkpoints.set_aside(path, f"{who} could not load it: {str(e).splitlines()[0]}")
                 continue
             log.info("recover.mode=auto: resuming from %s (step %d)", path, state.step)
             return state
