@@ -4,7 +4,8 @@ Renders a batch script for the run the overrides describe (the same config ``pyt
 composes and checks) and submits it with sbatch:
 
     controller   the controller as one Slurm job, which submits the workers (as -m hydra/launcher=submitit_slurm)
-    hetjob       the whole run as one heterogeneous job: controller, servers and trainers scheduled together
+    hetjob       the whole run as one heterogeneous job: the controller and a component per role (servers,
+                 trainers, the critic with algorithm=ppo, rollout workers), scheduled together
 
 --dry-run prints the script and the sbatch command and submits nothing; --write FILE writes the script
 there and submits nothing (slurm/*.sbatch are made this way). A bad config exits 2 before anything is

@@ -24,13 +24,16 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from hpcrl.config.checks import check_cluster
-from hpcrl.config.hydra import register_schema
+from hpcrl.config.hydra import compose_config, register_schema
 from hpcrl.config.schema import ClusterConfig
+from hpcrl.controller.roles import role_specs
 from hpcrl.doctor.testonly import job_script, sbatch_test_only
 from hpcrl.launch.base import RoleSpec
 from hpcrl.launch.registry import Registry
+from hpcrl.launch.slurm.hetjob import HetComponent
 from hpcrl.launch.slurm.resources import role_resources
 from hpcrl.launch.slurm.scripts import controller_resources
+from hpcrl.launch.slurm.steps import AllocationMismatch, check_het_allocation
 from hpcrl.sbatch import render
 from tests.conftest import CONF_DIR, REPO
 from tests.slurm.conftest import sacct, wait_for_job
@@ -90,6 +93,56 @@ def test_the_hetjob_script_has_the_controller_then_each_role():
     assert hetjob_controller == controller
     assert (server["job-name"], trainer["job-name"]) == ("hpcrl-default-server", "hpcrl-default-trainer")
     assert command(COMMITTED["hetjob"].read_text())[-2:] == ["cluster.submit_mode=steps", "run.trial=slurm-42"]
+
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+PPO_ON_A_GPU_SITE = ["cluster=slurm", "algorithm=ppo", "allocation.spec=sglang:d2t2+fsdp:d8+critic:d4"]
+
+
+def test_the_whole_run_hetjob_with_a_critic_matches_the_golden_file():
+    """algorithm=ppo: the critic is a component of its own after the trainer's, sized by its own allocation (4 ranks
+    of 1 GPU under one torchrun) and cluster.roles.critic (8 CPUs a rank in the template site file). Regenerate after
+    an intended change with ``HPCRL_UPDATE_GOLDEN=1 pytest tests/slurm``."""
+    script = render("hetjob", PPO_ON_A_GPU_SITE, python="python")
+    golden = GOLDEN / "sbatch_hetjob_ppo.sbatch"
+    if os.environ.get("HPCRL_UPDATE_GOLDEN"):
+        golden.write_text(script)
+    assert script == golden.read_text(), f"the script changed; if intended, regenerate {golden} (see the docstring)"
+    *_, trainer, critic = options(script)
+    assert critic["job-name"] == "hpcrl-default-critic" and script.count("#SBATCH hetjob") == 3
+    assert (critic["nodes"], critic["ntasks-per-node"], critic["cpus-per-task"], critic["gpus-per-node"]) == (
+        "1", "1", "32", "4"
+    )  # fmt: skip
+    assert (trainer["cpus-per-task"], trainer["gpus-per-node"]) == ("64", "8")
+    assert "the controller (0), server (1), trainer (2), critic (3)" in script
+
+
+def test_the_critic_takes_its_own_sbatch_settings_and_a_script_without_it_is_refused_for_a_ppo_run():
+    overrides = ["cluster=slurm_local", "algorithm=ppo", "allocation.critic.workers=2", "allocation.critic.nodes=2"]
+    overrides += ["cluster.roles.critic.cpus_per_worker=3", "cluster.roles.critic.partition=cpu"]
+    overrides += ["cluster.roles.critic.time_min=7", 'cluster.roles.critic.setup=["echo critic"]']
+    *_, trainer, critic = options(render("hetjob", overrides, python="python"))
+    assert (critic["nodes"], critic["ntasks-per-node"], critic["cpus-per-task"]) == ("2", "1", "3")
+    assert (critic["partition"], critic["time"]) == ("cpu", "7")
+    assert (trainer["partition"], trainer["time"], trainer["cpus-per-task"]) == ("debug", "10", "2")
+    # the controller inside that job (cluster.submit_mode=steps) checks Slurm's components against the config
+    cfg = compose_config(overrides)
+    components = [
+        HetComponent(spec.role, role_resources(spec, cfg.cluster, spec.role), Path(f"{spec.role}.pkl"))
+        for spec in role_specs(cfg)
+    ]
+    assert [c.role for c in components] == ["server", "trainer", "critic"]
+    shape = {"SLURM_JOB_NUM_NODES_HET_GROUP_1": "1", "SLURM_NTASKS_HET_GROUP_1": "1"}  # the server
+    shape |= {"SLURM_JOB_NUM_NODES_HET_GROUP_2": "1", "SLURM_NTASKS_HET_GROUP_2": "1"}  # the trainer's torchrun
+    critic_shape = {"SLURM_JOB_NUM_NODES_HET_GROUP_3": "2", "SLURM_NTASKS_HET_GROUP_3": "2"}  # a torchrun per node
+    env = {"SLURM_JOB_ID": "9", "SLURM_HET_SIZE": "4", **shape, **critic_shape}
+    assert check_het_allocation(components, env) == "9"
+    with pytest.raises(AllocationMismatch, match=r"has 3 het components; .* needs 4: .*\(server, trainer, critic\)"):
+        check_het_allocation(components, {**env, "SLURM_HET_SIZE": "3"})  # a script rendered without the critic
+    with pytest.raises(AllocationMismatch, match=r"^critic: het component 3 of Slurm job 9 has 1 nodes and 1 tasks"):
+        check_het_allocation(
+            components, {**env, "SLURM_JOB_NUM_NODES_HET_GROUP_3": "1", "SLURM_NTASKS_HET_GROUP_3": "1"}
+        )
 
 
 def test_overrides_with_spaces_and_quotes_reach_the_controller_intact(tmp_path):
