@@ -17,10 +17,12 @@ LATER = 'cluster.extra_sbatch=["--begin=now+1hour"]'  # a probe job that stays P
 
 
 def test_the_doctor_passes_on_the_test_slurm(slurm_cluster, job_prefix, tmp_path):
-    doctor = run_doctor("cluster=slurm_local", f"run.root={tmp_path}", "--job-prefix", job_prefix)
+    # algorithm=ppo: the critic is a role of the run, with a job (and a hetjob component) of its own
+    doctor = run_doctor("cluster=slurm_local", "algorithm=ppo", f"run.root={tmp_path}", "--job-prefix", job_prefix)
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
-    for check in ("sbatch server", "sbatch trainer", "sbatch hetjob", "sbatch controller", "network"):
+    for check in ("sbatch server", "sbatch trainer", "sbatch critic", "sbatch hetjob", "sbatch controller", "network"):
         assert doctor.status(check) == "ok", doctor.stdout
+    assert "+critic:d1" in doctor.lines["config"] and "critic 180 s" in doctor.lines["setup timeout"], doctor.stdout
     assert doctor.status("run root on nodes") == "ok"
     assert "and this machine reached node" in doctor.lines["network"]
     assert doctor.status("gpu") == "skip"

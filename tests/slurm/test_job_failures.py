@@ -22,9 +22,9 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 FAIL_WITHIN_S = 30  # from the worker job's end to the controller's exit
 
 
-def start_job(tmp_path: Path, job_prefix: str, *overrides: str) -> subprocess.Popen:
+def start_job(tmp_path: Path, job_prefix: str, *overrides: str, mode: str = "per_role") -> subprocess.Popen:
     experiment = job_prefix.removeprefix("hpcrl-").rstrip("-")  # worker jobs: hpcrl-<experiment>-<role>
-    cmd = [sys.executable, "-m", "hpcrl.main", "cluster=slurm_local", "cluster.submit_mode=per_role"]
+    cmd = [sys.executable, "-m", "hpcrl.main", "cluster=slurm_local", f"cluster.submit_mode={mode}"]
     cmd += [f"run.root={tmp_path}", f"run.experiment={experiment}", "run.trial=t", *overrides]
     return subprocess.Popen(
         cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
@@ -110,3 +110,23 @@ def test_with_restart_a_dead_server_job_is_submitted_again_and_rejoins(slurm_clu
     assert [r["step"] for r in rows] == list(range(1, 11))
     assert rows[-1]["servers_restarted"] == 1
     assert re.search(r"server worker 0 is back in the pool at \S+ with weights version [1-9]", stderr), stderr[-3000:]
+
+
+def test_a_critic_rank_killed_mid_run_fails_the_hetjob_run_naming_the_critic(slurm_cluster, job_prefix, tmp_path):
+    """algorithm=ppo: the critic is component 2 of the workers' heterogeneous job; one of its ranks dies (SIGKILL,
+    as the OOM killer does), torchrun ends the other, the job ends, and the run fails naming the critic."""
+    overrides = ("algorithm=ppo", "allocation.critic.workers=2", "run.max_steps=500", "eval.stop_at_accuracy=0")
+    proc = start_job(tmp_path, job_prefix, *overrides, "rollout.prompts_per_step=8", mode="hetjob")
+    run_dir = run_dir_of(tmp_path, job_prefix)
+    wait_for_steps(proc, run_dir, 2)
+    (victim,) = [e for e in Registry(run_dir / "registry").entries("critic") if e.rank == 1]
+    os.kill(victim.pid, signal.SIGKILL)  # the nodes are network namespaces: their PIDs are this host's
+    killed = time.time()
+    code, stderr, exited = finish(proc, timeout_s=120)
+    job_id = job_named(f"{job_prefix}critic")
+    assert code == 1, stderr[-3000:]
+    assert job_id.endswith("+2"), job_id  # server +0, trainer +1, critic +2
+    # the critic, though the server's component (checked first) ended FAILED with it
+    assert f"hpcrl: the run failed (WorkerFailed): critic worker job {job_id} FAILED" in stderr, stderr[-3000:]
+    assert "Signal 9 (SIGKILL) received by PID" in stderr, "torchrun's report of the dead rank is in the error"
+    assert exited - killed < FAIL_WITHIN_S, (exited, killed)
