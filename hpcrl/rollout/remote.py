@@ -15,8 +15,8 @@ travels as typed JSON.
 Dispatch: an episode goes to the live worker with the fewest episodes in flight from here, ties broken
 round-robin. Each worker has two RPC clients: one for episodes (deadline ``episode_timeout_s``, a backstop),
 one for control calls and heartbeats (deadline ``heartbeat_timeout_s``), so a ping never queues behind
-episodes. One aiohttp session holds at most 100 connections, so at most 100 episodes run on one worker at
-once; more wait here for a connection, within their deadline.
+episodes. An RPC connection carries one call at a time, so the episode client holds up to ``max_in_flight``
+connections to its worker; more episodes wait here for a connection, within their deadline.
 
 Failures: a worker is lost when a call to it ends without a reply (connection refused or reset, no reply
 within the deadline) or when it misses a heartbeat (``ping`` every ``heartbeat_s``: catches a node that

@@ -1,9 +1,10 @@
-"""The controller-to-worker RPC: typed messages, tensors as raw bytes, a bearer token on every request.
+"""The controller-to-worker RPC: typed messages, tensors as raw bytes, the run's token on every connection.
 
 - ``wire``: ``encode(msg) -> bytes`` / ``decode(bytes) -> msg`` (frame format in its docstring)
 - ``messages``: every request and reply dataclass, in the ``MESSAGES`` registry
 - ``auth``: the run's secret token file
 - ``server``: ``RpcServer``, one per worker rank; ``client``: ``RpcClient``, fan-out from the controller
+- ``transport``, ``connection``: hpcrl's own framing on long-lived TCP connections (not HTTP)
 
 The names below load their module on first use: ``hpcrl.rpc.auth`` alone imports no torch, which the
 processes that only speak HTTP (server workers, the lease endpoint) should not pay for.

@@ -5,27 +5,43 @@ rank order. When a rank fails, the others get ``failure_grace_s`` to finish (the
 the same collective breaking); whatever is still running then is cancelled and awaited, so no request
 outlives the call. The lowest rank's error is raised; the others are in its ``others`` and in its notes.
 
+Connections (``transport.py``) stay open between calls: each carries one call at a time, and a rank gets
+a second one only while its first is busy, so calls one after another reuse one connection per rank. A
+connection is opened (TCP, then the hello with the token) within ``connect_timeout_s``; a whole call,
+waiting for a free connection included, within ``timeout_s``. A call that fails, times out or is cancelled
+closes its connection: its reply may still come. An idle connection the server closed is never reused.
+
 There are no retries: a trainer call is not idempotent, and a request that timed out may have run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from types import TracebackType
 from typing import Any
 
-import aiohttp
-from aiohttp import hdrs
-
 from hpcrl.net import parse_hostport
-from hpcrl.rpc.errors import BY_STATUS, RemoteError, RpcConnectionError, RpcError
-from hpcrl.rpc.messages import Ack, ErrorReply
-from hpcrl.rpc.transport import METHOD_NAME, SHUTDOWN, FramePayload, read_body
+from hpcrl.rpc.connection import Connection, connect
+from hpcrl.rpc.errors import (
+    BY_STATUS,
+    PayloadTooLargeError,
+    RemoteError,
+    RpcConnectionError,
+    RpcError,
+    UnknownMethodError,
+)
+from hpcrl.rpc.messages import Ack, ErrorReply, Welcome
+from hpcrl.rpc.transport import HEAD, METHOD_NAME, REPLY, SHUTDOWN, frame_size, hello, read_body, request_parts
 from hpcrl.rpc.wire import Buffer, DecodeError, decode, encode_parts
 
-# A larger body waits for the server's "100 Continue", so a refused request (wrong token, unknown
-# method, too large) costs one round trip instead of the whole transfer. Smaller ones skip the wait.
-EXPECT_CONTINUE_BYTES = 64 << 10
+
+@dataclasses.dataclass
+class _Channel:
+    """An open, authenticated connection to one rank, and what its server said it takes."""
+
+    conn: Connection
+    welcome: Welcome
 
 
 class RpcClient:
@@ -38,7 +54,7 @@ class RpcClient:
         connect_timeout_s: float = 10.0,
         failure_grace_s: float = 5.0,
         max_reply_bytes: int = 8 << 30,
-        max_connections: int = 100,  # calls in flight at once, all ranks together (aiohttp's pool); more wait
+        max_connections: int = 100,  # calls in flight at once, all ranks together; more wait
     ):
         if not addresses:
             raise ValueError("RpcClient needs at least one address (host:port of rank 0, 1, ...)")
@@ -50,23 +66,21 @@ class RpcClient:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self.addresses, self.timeout_s = list(addresses), timeout_s
         self.failure_grace_s, self.max_reply_bytes = failure_grace_s, max_reply_bytes
-        self._token, self._connect_timeout_s = token, connect_timeout_s
+        self._hello, self._connect_timeout_s = hello(token), connect_timeout_s
         self.max_connections = max_connections
-        self._session: aiohttp.ClientSession | None = None
+        self._slots: asyncio.Semaphore | None = None  # set while open
+        self._idle: list[list[_Channel]] = [[] for _ in self.addresses]
 
     async def __aenter__(self) -> RpcClient:
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=self._connect_timeout_s)
-        headers = {hdrs.AUTHORIZATION: f"Bearer {self._token}"}
-        connector = aiohttp.TCPConnector(limit=self.max_connections)
-        self._session = aiohttp.ClientSession(
-            connector=connector, headers=headers, timeout=timeout, read_bufsize=1 << 20
-        )
+        self._slots = asyncio.Semaphore(self.max_connections)
         return self
 
     async def __aexit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        self._slots = None
+        for idle in self._idle:
+            for channel in idle:
+                channel.conn.close()
+            idle.clear()
 
     async def call(self, method: str, requests: list[Any]) -> list[Any]:
         """Send ``requests[i]`` to rank ``i``, all at once; the replies in rank order."""
@@ -83,8 +97,7 @@ class RpcClient:
     async def broadcast_each(self, method: str, request: Any) -> list[Any]:
         """Send the same request to every rank; each rank's reply or its error, in rank order. Unlike ``call``,
         one rank's failure cuts no other short: for probes whose every answer counts (leases)."""
-        if self._session is None:
-            raise RuntimeError("RpcClient is not open; use it as `async with RpcClient(...) as client:`")
+        self._check_open(method)
         parts = encode_parts(request)
         calls = [self._one(rank, method, parts) for rank in range(len(self.addresses))]
         return list(await asyncio.gather(*calls, return_exceptions=True))
@@ -93,13 +106,18 @@ class RpcClient:
         """Ask every rank to stop its server once its queued handlers are done."""
         await self.broadcast(SHUTDOWN, Ack())
 
-    # --- one fan-out ------------------------------------------------------------------------------------
-
-    async def _fan_out(self, method: str, frames: list[list[Buffer]]) -> list[Any]:
-        if self._session is None:
+    def _check_open(self, method: str) -> None:
+        if self._slots is None:
             raise RuntimeError("RpcClient is not open; use it as `async with RpcClient(...) as client:`")
         if not METHOD_NAME.match(method):
             raise ValueError(f"RPC method names must match {METHOD_NAME.pattern}, got {method!r}")
+
+    # --- one fan-out ------------------------------------------------------------------------------------
+
+    async def _fan_out(self, method: str, frames: list[list[Buffer]]) -> list[Any]:
+        self._check_open(method)
+        if len(frames) == 1:  # nothing to wait for beside it: no task of its own (a tenth of a no-op call)
+            return [await self._one(0, method, frames[0])]
         tasks = [
             asyncio.create_task(self._one(rank, method, parts), name=f"rpc-{method}-rank{rank}")
             for rank, parts in enumerate(frames)
@@ -132,30 +150,92 @@ class RpcClient:
             )
         raise first
 
+    # --- one call to one rank ---------------------------------------------------------------------------
+
     async def _one(self, rank: int, method: str, parts: list[Buffer]) -> Any:
-        assert self._session is not None
+        assert self._slots is not None
         address = self.addresses[rank]
         try:
-            payload = FramePayload(parts)
-            expect100 = (payload.size or 0) >= EXPECT_CONTINUE_BYTES
-            async with self._session.post(f"http://{address}/rpc/{method}", data=payload, expect100=expect100) as r:
-                status, body = r.status, await self._read(r, rank, method)
+            async with asyncio.timeout(self.timeout_s), self._slots:
+                channel = await self._channel(rank, method)
+                status, body = await self._exchange(channel, rank, method, parts)
         except RpcError:
             raise
         except TimeoutError as e:
             raise RpcConnectionError(rank, address, method, f"no reply within {self.timeout_s} s") from e
-        except (aiohttp.ClientError, OSError) as e:
+        except OSError as e:  # ConnectionError among them
             raise RpcConnectionError(rank, address, method, f"{type(e).__name__}: {e}") from e
         return self._reply(rank, method, status, body)
 
-    async def _read(self, response: aiohttp.ClientResponse, rank: int, method: str) -> Buffer:
-        length = response.content_length
-        if length is None:
-            return await response.read()
+    async def _exchange(self, channel: _Channel, rank: int, method: str, parts: list[Buffer]) -> tuple[int, Buffer]:
+        """Send one request on the channel and read its reply; the channel goes back to the pool only after a
+        whole exchange whose server keeps the connection."""
+        self._precheck(channel.welcome, rank, method, frame_size(parts))
+        kept = False
+        try:
+            await channel.conn.send(request_parts(method, parts))
+            status, body = await self._read_reply(channel.conn, rank, method)
+            kept = status in (200, 400, 500)  # the server closes after any other refusal
+        finally:
+            if kept and self._slots is not None and channel.conn.usable:
+                self._idle[rank].append(channel)
+            else:
+                channel.conn.close()
+        return status, body
+
+    def _precheck(self, welcome: Welcome, rank: int, method: str, size: int) -> None:
+        """What the server would refuse on the header alone, refused here: its body is never sent."""
+        address = self.addresses[rank]
+        if method not in welcome.methods:
+            message = f"UnknownMethod: no RPC method {method!r}; this server has {welcome.methods}"
+            raise UnknownMethodError(rank, address, method, message, 404)
+        if size > welcome.max_body_bytes:
+            message = (
+                f"PayloadTooLarge: body of {size} bytes is over this server's limit of {welcome.max_body_bytes} "
+                "(max_body_bytes)"
+            )
+            raise PayloadTooLargeError(rank, address, method, message, 413)
+
+    async def _channel(self, rank: int, method: str) -> _Channel:
+        """An idle connection to the rank, or a new one."""
+        idle = self._idle[rank]
+        while idle:
+            channel = idle.pop()
+            if channel.conn.usable:
+                return channel
+            channel.conn.close()
+        address = self.addresses[rank]
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                conn = await connect(*parse_hostport(address))
+                try:
+                    return _Channel(conn, await self._greet(conn, rank, method))
+                except BaseException:
+                    conn.close()
+                    raise
+        except TimeoutError as e:
+            message = f"could not connect within {self._connect_timeout_s} s (connect_timeout_s)"
+            raise RpcConnectionError(rank, address, method, message) from e
+
+    async def _greet(self, conn: Connection, rank: int, method: str) -> Welcome:
+        await conn.send([self._hello])
+        status, body = await self._read_reply(conn, rank, method)
+        if status != 200:
+            self._reply(rank, method, status, body)  # raises the server's refusal (401: AuthError)
+        try:
+            return decode(body, Welcome)
+        except DecodeError as e:
+            raise RpcError(rank, self.addresses[rank], method, f"the server's welcome did not decode: {e}") from None
+
+    async def _read_reply(self, conn: Connection, rank: int, method: str) -> tuple[int, Buffer]:
+        magic, status, length = HEAD.unpack(await conn.read_exactly(HEAD.size))
+        address = self.addresses[rank]
+        if magic != REPLY:
+            raise RpcError(rank, address, method, f"not an RPC reply (it began {magic!r}); is this an RPC port?")
         if length > self.max_reply_bytes:
             message = f"reply of {length} bytes is over max_reply_bytes={self.max_reply_bytes}"
-            raise RpcError(rank, self.addresses[rank], method, message, response.status)
-        return await read_body(response.content, length)
+            raise RpcError(rank, address, method, message, status)
+        return status, await read_body(conn, length)
 
     def _reply(self, rank: int, method: str, status: int, body: Buffer) -> Any:
         address = self.addresses[rank]

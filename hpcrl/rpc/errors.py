@@ -1,4 +1,7 @@
-"""What an RPC call raises on the client side: one class per way a call can fail, all RpcError."""
+"""What an RPC call raises on the client side: one class per way a call can fail, all RpcError.
+
+``status`` is the reply's status (``transport.py``); its numbers are HTTP's, for the same meanings.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ class RpcError(Exception):
         super().__init__(self._text())
 
     def _text(self) -> str:
-        status = f" (HTTP {self.status})" if self.status is not None else ""
+        status = f" (status {self.status})" if self.status is not None else ""
         return f"rank {self.rank} at {self.address}: {self.method} failed{status}: {self.message}"
 
 
@@ -21,7 +24,7 @@ class AuthError(RpcError):
 
 
 class BadRequestError(RpcError):
-    """400 / 411: the server could not read or decode the request (the message says why)."""
+    """400: the server could not read or decode the request (the message says why)."""
 
 
 class UnknownMethodError(RpcError):
@@ -52,6 +55,5 @@ BY_STATUS: dict[int, type[RpcError]] = {
     400: BadRequestError,
     401: AuthError,
     404: UnknownMethodError,
-    411: BadRequestError,
     413: PayloadTooLargeError,
 }

@@ -72,6 +72,16 @@ class ErrorReply:
     traceback: str  # formatted remote traceback; empty for protocol errors
 
 
+@register
+@dataclasses.dataclass
+class Welcome:
+    """A server's answer to a connection's hello with the right token (``transport.py``)."""
+
+    rank: int  # the server's rank in its group
+    methods: list[str]  # every method it takes, ``shutdown`` included, sorted
+    max_body_bytes: int  # the largest request body it reads
+
+
 # --- trainer --------------------------------------------------------------------------------------------
 
 

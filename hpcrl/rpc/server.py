@@ -1,18 +1,21 @@
-"""One RPC endpoint per worker rank: ``POST /rpc/<method>`` on aiohttp; plain handlers run one at a time.
+"""One RPC endpoint per worker rank, on hpcrl's own framing over TCP (``transport.py``); plain handlers run one
+at a time.
 
-Order of checks on a request, each answered with an ErrorReply frame before anything later happens::
+Order of checks, each answered with an ErrorReply frame before anything later happens::
 
-    token (Authorization: Bearer)  -> 401   on every path and HTTP method, before any route is looked up:
-                                            nothing of the body is read, the handler does not run, and
-                                            nothing tells which paths or methods exist
-    method known                   -> 404   the reply lists the known methods
-    Content-Length present, small  -> 411 / 413
-    body decodes (wire.decode)     -> 400   the DecodeError message
+    hello: magic, version, token   -> 401   once per connection, before anything else is read: nothing of a
+                                            request is read, no handler runs, and nothing tells which
+                                            methods exist; the server then closes the connection
+    request: method known          -> 404   the reply lists the known methods; the body is not read
+    request: body size             -> 413   over ``max_body_bytes``; the body is not read
+    body decodes (wire.decode)     -> 400   the DecodeError message; the connection stays usable
     handler(msg) -> reply          -> 500   ErrorReply(rank, method, type, message, traceback)
 
-The first three run in the ``Expect: 100-continue`` hook too, so a client that asks (``RpcClient``
-does for bodies of 64 KiB and more) sends no body at all to a server that would refuse it. A refused
-body that was sent anyway is never read by hpcrl; aiohttp discards it before closing the connection.
+After a 401, 404 or 413 the server closes the connection (a body it did not read must not be taken for the
+next request). ``RpcClient`` never sends such a body: the server's Welcome names its methods and limit, and
+the client refuses those calls itself. A connection that has not sent its hello within ``hello_timeout_s``
+is closed, and bytes that are not a hello (an HTTP request, say) get one line of text saying what this
+port speaks, and the connection is closed.
 
 Handlers run on one dedicated daemon thread, in the order their requests were decoded: trainer
 handlers issue torch collectives, which must run in the same order on every rank. The event loop
@@ -40,24 +43,44 @@ import inspect
 import logging
 import socket
 import threading
+import time
 import traceback
 import typing
 from collections.abc import Callable
 from typing import Any
 
-from aiohttp import hdrs, web
-
 from hpcrl.net import discover_host, family_of, format_hostport, is_ipv6
 from hpcrl.rpc import auth
+from hpcrl.rpc.connection import Connection
 from hpcrl.rpc.handler_thread import HandlerThread
-from hpcrl.rpc.messages import MESSAGES, Ack, ErrorReply
-from hpcrl.rpc.transport import CONTENT_TYPE, METHOD_NAME, ROUTE, SHUTDOWN, bearer, frame_size, read_body, write_parts
-from hpcrl.rpc.wire import DecodeError, decode, encode, encode_parts
+from hpcrl.rpc.messages import MESSAGES, Ack, ErrorReply, Welcome
+from hpcrl.rpc.transport import (
+    HEAD,
+    HELLO,
+    HELLO_MAGIC,
+    MAX_METHOD_BYTES,
+    MAX_TOKEN_BYTES,
+    METHOD_NAME,
+    REQUEST,
+    SHUTDOWN,
+    TRANSPORT_VERSION,
+    read_body,
+    reply_parts,
+)
+from hpcrl.rpc.wire import DecodeError, decode, encode_parts
 
 log = logging.getLogger(__name__)
 Handler = Callable[[Any], Any]
 _WILDCARDS = ("", "0.0.0.0", "::")
-READ_BUFSIZE = 4 << 20  # the default 64 KiB pauses the socket after every recv of a large body
+LINGER_S = 2.0  # after a refusal, how long the server drains what the peer still sends before it closes
+
+
+class _Refused(Exception):
+    """A request refused on its header: the reply is sent, then the connection is closed."""
+
+    def __init__(self, status: int, method: str, error_type: str, message: str):
+        super().__init__(message)
+        self.status, self.method, self.error_type, self.message = status, method, error_type, message
 
 
 class RpcServer:
@@ -73,6 +96,7 @@ class RpcServer:
         advertise_host: str | None = None,
         thread_init: Callable[[], None] | None = None,
         shutdown_timeout_s: float = 5.0,
+        hello_timeout_s: float = 30.0,
     ):
         bad = [m for m in handlers if not METHOD_NAME.match(m)]
         if bad:
@@ -82,8 +106,11 @@ class RpcServer:
         self.handlers, self.token, self.rank = dict(handlers), token, rank
         self.host, self.port, self.max_body_bytes = host, port, max_body_bytes
         self.advertise_host, self.thread_init, self.shutdown_timeout_s = advertise_host, thread_init, shutdown_timeout_s
+        self.hello_timeout_s = hello_timeout_s
         self.address: str | None = None  # host:port peers dial, set once listening
+        self.connections_accepted = 0  # TCP connections accepted so far (clients keep theirs open)
         self._request_types = {m: _request_type(h) for m, h in self.handlers.items()}
+        self._known = sorted([*self.handlers, SHUTDOWN])
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_event: asyncio.Event | None = None
         self._stop_requested = False
@@ -91,6 +118,8 @@ class RpcServer:
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._worker: HandlerThread | None = None
+        self._tasks: set[asyncio.Task] = set()  # one per open connection
+        self._busy = 0  # requests read and not yet answered
 
     # --- running ----------------------------------------------------------------------------------------
 
@@ -149,160 +178,181 @@ class RpcServer:
             self._done.set()
 
     async def _serve(self, on_ready: Callable[[str], None]) -> None:
-        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._authenticate])
-        app.router.add_post(ROUTE, self._handle, expect_handler=self._expect)
-        # every other path and method: the token first here too, even for "Expect: 100-continue" (aiohttp's own
-        # 404 would answer 100 Continue first, telling a stranger which paths are routes)
-        app.router.add_route("*", "/{tail:.*}", self._no_route, expect_handler=self._expect_no_route)
-        runner = web.AppRunner(
-            app, access_log=None, shutdown_timeout=self.shutdown_timeout_s, read_bufsize=READ_BUFSIZE
-        )
-        await runner.setup()
+        listener = _listen(self.host, self.port)
         self._worker = HandlerThread(f"rpc-handler-{self.rank}", self.thread_init)
+        accepting = asyncio.create_task(self._accept(listener), name=f"rpc-accept-{self.rank}")
         try:
-            sock = _listen(self.host, self.port)
-            await web.SockSite(runner, sock).start()
             self._loop, self._stop_event = asyncio.get_running_loop(), asyncio.Event()
-            self.address = format_hostport(self._advertised_host(), sock.getsockname()[1])
+            self.address = format_hostport(self._advertised_host(), listener.getsockname()[1])
             log.info("RPC server of rank %d listening on %s (bound %s)", self.rank, self.address, self.host)
             on_ready(self.address)
             if not self._stop_requested:
                 await self._stop_event.wait()
         finally:
-            await runner.cleanup()
+            accepting.cancel()
+            await asyncio.gather(accepting, return_exceptions=True)
+            listener.close()
+            await self._finish_requests()
             self._worker.stop()
             log.info("RPC server of rank %d stopped", self.rank)
+
+    async def _finish_requests(self) -> None:
+        """Give requests in flight ``shutdown_timeout_s`` to be answered, then close every connection."""
+        deadline = time.monotonic() + self.shutdown_timeout_s
+        while self._busy and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if self._busy:
+            log.warning("RPC server of rank %d: %d requests still running at shutdown", self.rank, self._busy)
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as e:  # out of file descriptors, say: the connections already open go on
+                log.warning("RPC server of rank %d could not accept a connection: %r", self.rank, e)
+                await asyncio.sleep(0.1)
+                continue
+            self.connections_accepted += 1
+            task = asyncio.create_task(self._serve_connection(sock))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     def _advertised_host(self) -> str:
         if self.advertise_host:
             return self.advertise_host
         return discover_host(family_of(self.host or "0.0.0.0")) if self.host in _WILDCARDS else self.host
 
-    # --- requests ---------------------------------------------------------------------------------------
+    # --- one connection ---------------------------------------------------------------------------------
 
-    @web.middleware
-    async def _authenticate(self, request: web.Request, handler: Callable) -> web.StreamResponse:
-        """The token before anything else: a request without it learns nothing of the routes (a 404 or 405
-        would say which paths and methods exist)."""
-        if not self._authorized(request):
-            return self._unauthorized(request)
-        return await handler(request)
-
-    def _authorized(self, request: web.Request) -> bool:
-        return auth.check(bearer(request.headers.get(hdrs.AUTHORIZATION)), self.token)
-
-    def _unauthorized(self, request: web.Request) -> web.Response:
-        """The same reply for every path and method, so that it tells nothing of what the server has."""
-        log.warning("refused %s %s from %s: missing or wrong token", request.method, request.path, request.remote)
-        message = "missing or wrong token; send the run's <run_dir>/secret as 'Authorization: Bearer <token>'"
-        return self._refusal(401, "", "AuthError", message)
-
-    def _precheck(self, request: web.Request) -> web.Response | None:
-        """Refuse on the headers alone: token, method, body size. None when the body may be read."""
-        method = request.match_info["method"]
-        if not self._authorized(request):
-            return self._unauthorized(request)
-        if method not in self.handlers and method != SHUTDOWN:
-            known = sorted([*self.handlers, SHUTDOWN])
-            return self._refusal(404, method, "UnknownMethod", f"no RPC method {method!r}; this server has {known}")
-        length = request.content_length
-        if length is None:
-            return self._refusal(411, method, "LengthRequired", "the request must carry a Content-Length")
-        if length > self.max_body_bytes:
-            message = f"body of {length} bytes is over this server's limit of {self.max_body_bytes} (max_body_bytes)"
-            return self._refusal(413, method, "PayloadTooLarge", message)
-        return None
-
-    async def _no_route(self, request: web.Request) -> web.Response:
-        known = f"POST {ROUTE} with a method of {sorted([*self.handlers, SHUTDOWN])}"
-        return self._refusal(404, "", "NotFound", f"no {request.method} {request.path}; this server takes {known}")
-
-    async def _expect_no_route(self, request: web.Request) -> web.Response:
-        return self._unauthorized(request) if not self._authorized(request) else await self._no_route(request)
-
-    async def _expect(self, request: web.Request) -> web.Response | None:
-        refused = self._precheck(request)
-        if refused is not None:
-            return refused
-        if request.headers.get(hdrs.EXPECT, "").lower() != "100-continue":
-            return self._refusal(417, request.match_info["method"], "ExpectationFailed", "only 100-continue")
-        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        request.writer.output_size = 0  # the interim response is not part of the reply's size
-        return None
-
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
+    async def _serve_connection(self, sock: socket.socket) -> None:
+        conn = Connection(sock)
         try:
-            return await self._handle_checked(request)
+            if await self._greet(conn):
+                while await self._serve_request(conn):
+                    pass
+        except _Refused as refusal:
+            await self._refuse(conn, refusal)
+        except ConnectionError as e:  # the peer went away (mid-body, say): there is no one to answer
+            log.debug("RPC connection from %s ended: %s", conn.peer, e)
         except Exception as e:  # a bug here, not in a handler: still answer with a typed error
-            log.exception("RPC server of rank %d failed on %s", self.rank, request.path)
-            text = "".join(traceback.format_exception(e))
-            reply = ErrorReply(self.rank, request.match_info["method"], type(e).__name__, str(e), text)
-            return await self._send(request, (500, encode_parts(reply)), close=True)
+            log.exception("RPC server of rank %d failed on a request from %s", self.rank, conn.peer)
+            await self._refuse(conn, _Refused(500, "", type(e).__name__, f"the RPC server failed: {e}"))
+        finally:
+            conn.close()
 
-    async def _handle_checked(self, request: web.Request) -> web.StreamResponse:
-        refused = self._precheck(request)
-        if refused is not None:
-            return refused
-        method = request.match_info["method"]
+    async def _greet(self, conn: Connection) -> bool:
+        """The hello: magic, version, then the token; a Welcome when it is right. False: closed."""
         try:
-            body = await read_body(request.content, request.content_length or 0)
-        except Exception as e:  # the client went away mid-body; there is no one to answer
-            log.warning("%s from %s: could not read the body: %r", method, request.remote, e)
-            return self._refusal(400, method, "BodyError", f"could not read the body: {e}")
+            async with asyncio.timeout(self.hello_timeout_s):
+                magic, presented = await self._read_hello(conn)
+        except TimeoutError:
+            log.warning("closed a connection from %s: no hello within %g s", conn.peer, self.hello_timeout_s)
+            return False
+        if magic != HELLO_MAGIC:
+            return await self._not_rpc(conn, magic)
+        if not auth.check(presented, self.token):
+            log.warning("refused a connection from %s: missing or wrong token", conn.peer)
+            message = "missing or wrong token; the client must present the run's <run_dir>/secret"
+            raise _Refused(401, "", "AuthError", message)
+        await conn.send(reply_parts(200, encode_parts(Welcome(self.rank, self._known, self.max_body_bytes))))
+        return True
+
+    async def _read_hello(self, conn: Connection) -> tuple[bytes, str | None]:
+        """The magic and the token presented (None when it is longer than any token); reads nothing more."""
+        magic, version, length = HELLO.unpack(await conn.read_exactly(HELLO.size))
+        if magic != HELLO_MAGIC:
+            return magic, None
+        if version != TRANSPORT_VERSION:
+            message = f"RPC transport version {version} is not spoken here; this server speaks {TRANSPORT_VERSION}"
+            raise _Refused(400, "", "VersionError", message)
+        if length > MAX_TOKEN_BYTES:
+            return magic, None
+        return magic, (await conn.read_exactly(length)).decode("utf-8", "surrogateescape")
+
+    async def _not_rpc(self, conn: Connection, first: bytes) -> bool:
+        log.warning("closed a connection from %s: it does not speak hpcrl's RPC (it began %r)", conn.peer, first)
+        text = "this port speaks hpcrl's RPC (hpcrl.rpc.RpcClient), not HTTP or anything else\n"
+        await conn.send([text.encode()])
+        await conn.close_after_reply(LINGER_S)
+        return False
+
+    async def _serve_request(self, conn: Connection) -> bool:
+        """Read, check, run and answer one request. False when the connection should close."""
         try:
-            msg = decode(body, self._request_types.get(method))
-        except DecodeError as e:
-            return self._refusal(400, method, "DecodeError", str(e))
+            magic, name_len, size = HEAD.unpack(await conn.read_exactly(HEAD.size))
+        except ConnectionError:  # between requests: the client closed its connection
+            return False
+        method = await self._method(conn, magic, name_len)
+        if size > self.max_body_bytes:
+            message = f"body of {size} bytes is over this server's limit of {self.max_body_bytes} (max_body_bytes)"
+            raise _Refused(413, method, "PayloadTooLarge", message)
+        self._busy += 1
+        try:
+            body = await read_body(conn, size)
+            try:
+                msg = decode(body, self._request_types.get(method))
+            except DecodeError as e:
+                await self._send(conn, 400, ErrorReply(self.rank, method, "DecodeError", str(e), ""))
+                return True
+            del body  # the message holds what it needs; the buffer goes back to its pool with it
+            status, reply = await self._run(method, self.handlers.get(method, _acknowledge), msg)
+            await self._send(conn, status, reply)
+        finally:
+            self._busy -= 1
         if method == SHUTDOWN:
-            return await self._shutdown(request, msg)
-        reply = await self._run(method, self.handlers[method], msg)
-        return await self._send(request, reply)
+            log.info("shutdown requested by %s", conn.peer)
+            self.stop()
+            return False
+        return True
 
-    async def _run(self, method: str, handler: Handler, msg: Any) -> tuple[int, list]:
+    async def _method(self, conn: Connection, magic: bytes, name_len: int) -> str:
+        if magic != REQUEST or not 1 <= name_len <= MAX_METHOD_BYTES:
+            message = f"not a request header (magic {magic!r}, method name of {name_len} bytes)"
+            raise _Refused(400, "", "BadRequest", message)
+        method = (await conn.read_exactly(name_len)).decode("ascii", "replace")
+        if method not in self.handlers and method != SHUTDOWN:
+            message = f"no RPC method {method!r}; this server has {self._known}"
+            raise _Refused(404, method, "UnknownMethod", message)
+        return method
+
+    async def _run(self, method: str, handler: Handler, msg: Any) -> tuple[int, Any]:
         assert self._worker is not None
         try:
             if inspect.iscoroutinefunction(handler):  # on the event loop, concurrently with others
                 reply = await handler(msg)
-            else:
-                reply = await asyncio.wrap_future(self._worker.submit(handler, msg))
+            else:  # submitted now, in the order requests were decoded
+                reply = await self._worker.run(handler, msg)
             return 200, encode_parts(reply)
         except Exception as e:
             log.exception("handler for %s failed", method)
             text = "".join(traceback.format_exception(e))
-            return 500, encode_parts(ErrorReply(self.rank, method, type(e).__name__, str(e), text))
+            return 500, ErrorReply(self.rank, method, type(e).__name__, str(e), text)
 
-    async def _shutdown(self, request: web.Request, msg: Any) -> web.StreamResponse:
-        handler = self.handlers.get(SHUTDOWN, lambda _: Ack())
-        reply = await self._run(SHUTDOWN, handler, msg)
-        log.info("shutdown requested by %s", request.remote)
-        response = await self._send(request, reply, close=True)
-        self.stop()
-        return response
+    async def _send(self, conn: Connection, status: int, reply: Any) -> None:
+        parts = reply if isinstance(reply, list) else encode_parts(reply)
+        await conn.send(reply_parts(status, parts))
 
-    async def _send(self, request: web.Request, reply: tuple[int, list], close: bool = False) -> web.StreamResponse:
-        status, parts = reply
-        response = web.StreamResponse(status=status)
-        response.content_type, response.content_length = CONTENT_TYPE, frame_size(parts)
-        if close:
-            response.force_close()
-        try:
-            await response.prepare(request)
-            await write_parts(response, parts)
-            await response.write_eof()
-        except ConnectionError as e:
-            log.warning("could not send the reply to %s: %r", request.remote, e)
-        return response
+    async def _refuse(self, conn: Connection, refusal: _Refused) -> None:
+        reply = ErrorReply(self.rank, refusal.method, refusal.error_type, refusal.message, "")
+        with contextlib.suppress(ConnectionError):
+            await self._send(conn, refusal.status, reply)
+            await conn.close_after_reply(LINGER_S)
 
-    def _refusal(self, status: int, method: str, error_type: str, message: str) -> web.Response:
-        body = encode(ErrorReply(self.rank, method, error_type, message, ""))
-        response = web.Response(status=status, body=body, content_type=CONTENT_TYPE)
-        response.force_close()  # an unread (or never sent) body must not be taken for the next request
-        return response
+
+def _acknowledge(_: Any) -> Ack:
+    return Ack()
 
 
 def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if is_ipv6(host) or host == "::" else socket.AF_INET
-    return socket.create_server((host, port), family=family, backlog=512)
+    sock = socket.create_server((host, port), family=family, backlog=512)
+    sock.setblocking(False)
+    return sock
 
 
 def _request_type(handler: Handler) -> type | None:

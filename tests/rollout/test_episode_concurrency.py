@@ -1,5 +1,5 @@
 """A rollout worker runs as many episodes at once as the controller sends it: ``RpcServer`` runs coroutine
-handlers concurrently, and past aiohttp's default pool of 100 connections ``RemoteEpisodes(max_in_flight=...)``
+handlers concurrently, and past the RPC client's default of 100 connections ``RemoteEpisodes(max_in_flight=...)``
 sizes the episode client's pool (``RpcClient(max_connections=...)``)."""
 
 import asyncio

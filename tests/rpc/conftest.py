@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import http.client
+import socket
 import tempfile
 import threading
 import types
@@ -18,6 +18,7 @@ from hpcrl.net import parse_hostport
 from hpcrl.rpc import RpcServer
 from hpcrl.rpc.fields import field_types
 from hpcrl.rpc.messages import LogprobsResult, SequenceBatch, SequenceData
+from hpcrl.rpc.transport import HEAD, HELLO
 
 TOKEN = "test-token-" + "x" * 32
 # hypothesis caches constants under ./.hypothesis even without an example database: keep the checkout clean
@@ -55,20 +56,48 @@ def serve():
         server.serve_until_stopped(timeout_s=30)
 
 
-def raw_post(address: str, method: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    """A plain HTTP POST without ``Expect: 100-continue``: the body is on the wire before any check."""
-    host, port = parse_hostport(address)
-    conn = http.client.HTTPConnection(host, port, timeout=30)
-    try:
-        conn.request("POST", f"/rpc/{method}", body=body, headers=headers or {})
-        response = conn.getresponse()
-        return response.status, response.read()
-    finally:
-        conn.close()
+class RawConnection:
+    """hpcrl's RPC transport spoken by hand over a blocking socket, to send what ``RpcClient`` never would."""
 
+    def __init__(self, address: str, timeout_s: float = 30.0):
+        self.sock = socket.create_connection(parse_hostport(address), timeout=timeout_s)
 
-def bearer(token: str = TOKEN) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
+    def __enter__(self) -> RawConnection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close()
+
+    def hello(self, token: str = TOKEN) -> tuple[int, bytes]:
+        """Send the hello; the server's reply (200 and a Welcome, or a refusal)."""
+        self.sock.sendall(HELLO.pack(b"HRPT", 1, len(token.encode())) + token.encode())
+        return self.reply()
+
+    def request(self, method: str, body: bytes, declared: int | None = None) -> None:
+        """A request header (with ``declared`` as the body's length if given) and then ``body``."""
+        name = method.encode()
+        size = len(body) if declared is None else declared
+        self.sock.sendall(HEAD.pack(b"Rq", len(name), size) + name + body)
+
+    def reply(self) -> tuple[int, bytes]:
+        magic, status, size = HEAD.unpack(self.exactly(HEAD.size))
+        assert magic == b"Rp", magic
+        return status, self.exactly(size)
+
+    def exactly(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            assert chunk, f"the connection ended after {len(data)} of {n} bytes"
+            data += chunk
+        return data
+
+    def closed_by_server(self) -> bool:
+        """Whether the server closed the connection (reading nothing more but the end)."""
+        try:
+            return self.sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
 
 
 def sample(ann: Any, seed: int = 0) -> Any:
@@ -93,8 +122,8 @@ def sample(ann: Any, seed: int = 0) -> Any:
         return {f"k{i}": sample(args[1], seed + i) for i in range(2)}
     if ann is SequenceBatch:  # checked on construction: packed from sequences of different lengths
         return SequenceBatch.pack([_sequence(3 + seed + i, seed) for i in range(2)])
-    if ann is LogprobsResult:  # checked on construction too
-        return LogprobsResult.of([[-0.25 * (i + seed) for i in range(3 + seed + k)] for k in range(2)])
+    if isinstance(ann, type) and issubclass(ann, LogprobsResult):  # checked on construction too (ValuesResult)
+        return ann.of([[-0.25 * (i + seed) for i in range(3 + seed + k)] for k in range(2)])
     return ann(**{name: sample(t, seed) for name, t in field_types(ann).items()})
 
 

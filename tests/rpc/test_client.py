@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hpcrl.net import format_hostport
-from hpcrl.rpc import RemoteError, RpcClient, RpcConnectionError
+from hpcrl.rpc import RemoteError, RpcClient, RpcConnectionError, RpcError
 from hpcrl.rpc.messages import Ack, Echo, Pong
 from tests.rpc.conftest import TOKEN, Counting, assert_same
 
@@ -142,3 +142,30 @@ def test_client_checks_addresses_and_is_used_as_a_context_manager():
         RpcClient(["no-port"], TOKEN)
     with pytest.raises(RuntimeError, match="async with"):
         asyncio.run(RpcClient(["127.0.0.1:1"], TOKEN).call("work", [Ack()]))
+
+
+def test_max_connections_bounds_the_calls_in_flight(serve):
+    running, peak = [0], [0]
+
+    async def work(msg: Pong) -> Pong:  # on the server's loop: as many at once as the client sends
+        running[0] += 1
+        peak[0] = max(peak[0], running[0])
+        await asyncio.sleep(0.05)
+        running[0] -= 1
+        return msg
+
+    _, address = serve({"work": work})
+
+    async def go():
+        async with RpcClient([address], TOKEN, max_connections=2) as client:
+            return await asyncio.gather(*(client.call("work", [Pong(i, 0)]) for i in range(8)))
+
+    assert asyncio.run(go()) == [[Pong(i, 0)] for i in range(8)]
+    assert peak[0] == 2
+
+
+def test_a_reply_over_max_reply_bytes_is_refused(serve):
+    _, address = serve({"work": Counting()})
+    with pytest.raises(RpcError, match="over max_reply_bytes=1000"):
+        run([address], "work", [Echo([torch.zeros(2000, dtype=torch.uint8)], "")], max_reply_bytes=1000)
+    assert run([address], "work", [Pong(1, 1)]) == [Pong(1, 1)]

@@ -18,7 +18,7 @@ from hpcrl.rpc.messages import ComputeLogprobs, ErrorReply, LogprobsResult, Sequ
 from hpcrl.rpc.wire import ALIGN, MAGIC
 from hpcrl.train.batch import Sequence
 from hpcrl.train.service import _sequences
-from tests.rpc.conftest import TOKEN, Counting, bearer, raw_post
+from tests.rpc.conftest import TOKEN, Counting, RawConnection
 
 PRELUDE = struct.Struct(">4sHIQ")
 
@@ -225,7 +225,10 @@ def test_malformed_batch_is_refused_naming_the_field(case):
 def test_a_server_refuses_a_malformed_batch_with_400_and_never_runs_the_handler(serve):
     handler = Counting()
     _, address = serve({"train_step": handler})
-    status, body = raw_post(address, "train_step", _malformed("lengths sum short"), bearer())
+    with RawConnection(address) as raw:
+        assert raw.hello()[0] == 200
+        raw.request("train_step", _malformed("lengths sum short"))
+        status, body = raw.reply()
     reply = decode(body, ErrorReply)
     assert status == 400 and reply.error_type == "DecodeError" and "input_ids: has 28 entries" in reply.message
     assert handler.calls == []

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import http.client
 import os
 import socket
 import threading
@@ -25,8 +24,9 @@ from hpcrl.rpc import (
     decode,
     encode,
 )
-from hpcrl.rpc.messages import Ack, Echo, ErrorReply, Ping, Pong
-from tests.rpc.conftest import TOKEN, Counting, assert_same, bearer, raw_post, sample
+from hpcrl.rpc.messages import Ack, Echo, ErrorReply, Ping, Pong, Welcome
+from hpcrl.rpc.transport import HELLO
+from tests.rpc.conftest import TOKEN, Counting, RawConnection, assert_same, sample
 
 
 def call(address: str, method: str, msg, token: str = TOKEN, **kw):
@@ -35,12 +35,6 @@ def call(address: str, method: str, msg, token: str = TOKEN, **kw):
             return (await client.call(method, [msg]))[0]
 
     return asyncio.run(go())
-
-
-def error_reply(status_body: tuple[int, bytes], status: int) -> ErrorReply:
-    got, body = status_body
-    assert got == status, body[:300]
-    return decode(body, ErrorReply)
 
 
 def test_every_message_type_round_trips_through_a_server(serve):
@@ -69,19 +63,55 @@ def test_ping(serve):
     assert call(address, "ping", Ping()) == Pong(3, os.getpid())
 
 
-@pytest.mark.parametrize("headers", [{}, bearer("wrong"), {"Authorization": TOKEN}, bearer(TOKEN + "x")])
-def test_request_without_the_token_is_refused_and_never_handled(serve, headers):
+def refusal(status_body: tuple[int, bytes], status: int) -> ErrorReply:
+    got, body = status_body
+    assert got == status, body[:300]
+    return decode(body, ErrorReply)
+
+
+@pytest.mark.parametrize("token", ["", "wrong", TOKEN + "x", TOKEN[:-1], "x" * 2000], ids=len)
+def test_a_connection_without_the_token_is_refused_and_closed(serve, token):
     handler = Counting()
     _, address = serve({"echo": handler})
-    reply = error_reply(raw_post(address, "echo", encode(Ping()), headers), 401)
-    assert reply.error_type == "AuthError" and "token" in reply.message
-    with pytest.raises(AuthError, match="401"):
+    with RawConnection(address) as raw:
+        reply = refusal(raw.hello(token), 401)
+        assert (reply.method, reply.error_type) == ("", "AuthError") and "token" in reply.message
+        assert raw.closed_by_server()
+    with pytest.raises(AuthError, match="status 401"):
         call(address, "echo", Ping(), token="wrong")
     assert handler.calls == []
 
 
+def test_the_refusal_of_a_token_tells_nothing_of_what_follows(serve):
+    """The token before anything else: a request after a wrong hello, for a method that exists or not, of any
+    size, gets the same one 401 and nothing else (a 404 would tell a stranger which methods exist)."""
+    handler = Counting()
+    _, address = serve({"echo": handler}, max_body_bytes=10)
+    answers = set()
+    for method, body in [("echo", encode(Ping())), ("nope", b"x" * 100), ("shutdown", encode(Ack()))]:
+        with RawConnection(address) as raw:
+            raw.sock.sendall(HELLO.pack(b"HRPT", 1, 5) + b"wrong")
+            raw.request(method, body)
+            answers.add(raw.reply())
+            assert raw.closed_by_server()
+    assert len(answers) == 1, answers
+    assert refusal(answers.pop(), 401).error_type == "AuthError"
+    assert handler.calls == []
+
+
+def test_the_token_is_sent_once_per_connection_and_not_again(serve):
+    _, address = serve({"echo": Counting()})
+    with RawConnection(address) as raw:
+        status, body = raw.hello()
+        assert status == 200
+        assert decode(body, Welcome) == Welcome(0, ["echo", "shutdown"], 8 << 30)
+        for i in range(3):
+            raw.request("echo", encode(Pong(i, 0)))
+            assert decode(raw.reply()[1]) == Pong(i, 0)
+
+
 def test_wrong_token_with_a_large_body_is_refused_before_the_body_is_sent(serve):
-    """RpcClient sends ``Expect: 100-continue``: the refusal comes on the headers alone."""
+    """The token is checked on the connection's hello: the body of a refused client is never sent."""
     handler = Counting()
     _, address = serve({"echo": handler})
     big = Echo([torch.zeros(64 << 20, dtype=torch.uint8)], "")
@@ -93,43 +123,66 @@ def test_wrong_token_with_a_large_body_is_refused_before_the_body_is_sent(serve)
     print(f"refusal of a 64 MiB request took {time.monotonic() - start:.3f} s")
 
 
-def test_token_is_checked_before_the_method_and_the_size(serve):
-    _, address = serve({"echo": Counting()}, max_body_bytes=10)
-    assert error_reply(raw_post(address, "nope", b"x" * 100, bearer("bad")), 401).error_type == "AuthError"
+HTTP = [("POST", "/rpc/echo"), ("POST", "/rpc/nope"), ("GET", "/rpc/echo"), ("PUT", "/rpc/shutdown"), ("DELETE", "/x")]
 
 
-@pytest.mark.parametrize(
-    ("verb", "path"),
-    [("POST", "/rpc/echo"), ("POST", "/rpc/nope"), ("POST", "/rpc/a/b"), ("POST", "/rpc/"), ("GET", "/rpc/echo"),
-     ("PUT", "/rpc/shutdown"), ("POST", "/"), ("DELETE", "/x"), ("GET", "/rpc/%2e%2e/etc")],
-)  # fmt: skip
-@pytest.mark.parametrize("expect", [{}, {"Expect": "100-continue"}], ids=["plain", "expect"])
-def test_without_the_token_every_path_and_method_gets_the_same_401(serve, verb, path, expect):
-    """Authentication before routing: a 404 or 405 (or a "100 Continue" on some paths only) would tell a
-    stranger which paths and methods exist."""
+@pytest.mark.parametrize(("verb", "path"), HTTP)
+def test_an_http_request_gets_one_line_saying_what_the_port_speaks(serve, verb, path):
     handler = Counting()
     _, address = serve({"echo": handler})
-    host, port = parse_hostport(address)
-    conn = http.client.HTTPConnection(host, port, timeout=10)
-    conn.request(verb, path, body=b"x", headers={"Content-Length": "1", **bearer("wrong"), **expect})
-    response = conn.getresponse()
-    body = response.read()
-    conn.close()
-    assert response.status == 401, body
-    reply = decode(body, ErrorReply)
-    assert (reply.method, reply.error_type) == ("", "AuthError") and "token" in reply.message
-    assert body == encode(ErrorReply(0, "", "AuthError", reply.message, "")), "one reply for every path and method"
+    with RawConnection(address) as raw:
+        head = f"{verb} {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\nContent-Length: 1\r\n\r\nx"
+        raw.sock.sendall(head.encode())
+        text = b"".join(iter(lambda: raw.sock.recv(4096), b""))
+    assert text == b"this port speaks hpcrl's RPC (hpcrl.rpc.RpcClient), not HTTP or anything else\n"
     assert handler.calls == []
 
 
-def test_garbage_body_is_a_400_with_the_decode_error(serve):
+def test_a_connection_that_sends_no_hello_is_closed_after_the_hello_timeout(serve):
+    _, address = serve({"echo": Counting()}, hello_timeout_s=0.5)
+    for start in (b"", b"HRPT\x00"):  # nothing, then half a hello
+        with RawConnection(address, timeout_s=10) as raw:
+            raw.sock.sendall(start)
+            began = time.monotonic()
+            assert raw.closed_by_server()
+            assert time.monotonic() - began < 5
+    assert call(address, "echo", Ping()) == Ping()
+
+
+def test_another_transport_version_is_refused(serve):
+    _, address = serve({"echo": Counting()})
+    with RawConnection(address) as raw:
+        raw.sock.sendall(HELLO.pack(b"HRPT", 2, len(TOKEN)) + TOKEN.encode())
+        reply = refusal(raw.reply(), 400)
+        assert reply.error_type == "VersionError" and "this server speaks 1" in reply.message
+        assert raw.closed_by_server()
+
+
+def test_garbage_body_is_a_400_with_the_decode_error_and_the_connection_goes_on(serve):
     handler = Counting()
     _, address = serve({"echo": handler})
-    reply = error_reply(raw_post(address, "echo", b"\x00garbage" * 10, bearer()), 400)
-    assert (reply.error_type, reply.method) == ("DecodeError", "echo")
-    assert "not an hpcrl RPC frame" in reply.message
-    truncated = error_reply(raw_post(address, "echo", encode(Echo([torch.ones(10)], ""))[:-5], bearer()), 400)
-    assert "frame truncated" in truncated.message
+    with RawConnection(address) as raw:
+        assert raw.hello()[0] == 200
+        raw.request("echo", b"\x00garbage" * 10)
+        reply = refusal(raw.reply(), 400)
+        assert (reply.error_type, reply.method) == ("DecodeError", "echo")
+        assert "not an hpcrl RPC frame" in reply.message
+        raw.request("echo", encode(Echo([torch.ones(10)], ""))[:-5])
+        assert "frame truncated" in refusal(raw.reply(), 400).message
+        assert handler.calls == []
+        raw.request("echo", encode(Ping()))
+        assert raw.reply() == (200, encode(Ping())), "the framing held: the same connection serves the next request"
+    assert handler.calls == [Ping()]
+
+
+def test_a_request_header_that_is_not_one_is_a_400_and_the_connection_closes(serve):
+    handler = Counting()
+    _, address = serve({"echo": handler})
+    with RawConnection(address) as raw:
+        assert raw.hello()[0] == 200
+        raw.sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        assert refusal(raw.reply(), 400).error_type == "BadRequest"
+        assert raw.closed_by_server()
     assert handler.calls == []
 
 
@@ -137,9 +190,9 @@ def test_body_cut_short_by_the_client_never_reaches_the_handler(serve):
     handler = Counting()
     _, address = serve({"echo": handler})
     frame = encode(Echo([torch.ones(1000)], ""))
-    with socket.create_connection(parse_hostport(address)) as sock:
-        head = f"POST /rpc/echo HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
-        sock.sendall(f"{head}Content-Length: {len(frame)}\r\n\r\n".encode() + frame[:100])
+    with RawConnection(address) as raw:
+        assert raw.hello()[0] == 200
+        raw.request("echo", frame[:100], declared=len(frame))
     assert call(address, "echo", Ping()) == Ping()
     assert handler.calls == [Ping()]
 
@@ -158,15 +211,27 @@ def test_oversized_body_is_refused_before_reading(serve):
     _, address = serve({"echo": handler}, max_body_bytes=4096)
     with pytest.raises(PayloadTooLargeError, match="over this server's limit of 4096"):
         call(address, "echo", Echo([torch.zeros(10_000)], ""))
-    assert error_reply(raw_post(address, "echo", bytes(5000), bearer()), 413).error_type == "PayloadTooLarge"
+    with RawConnection(address) as raw:  # a client that does not check the Welcome: refused on the header
+        assert raw.hello()[0] == 200
+        raw.request("echo", b"", declared=1 << 40)  # no body follows: the refusal cannot wait for one
+        assert refusal(raw.reply(), 413).error_type == "PayloadTooLarge"
+        assert raw.closed_by_server()
     assert call(address, "echo", Ping()) == Ping()
     assert handler.calls == [Ping()]
 
 
 def test_unknown_method_names_the_known_ones(serve):
-    _, address = serve({"train_step": Counting(), "ping": Counting()})
+    handler = Counting()
+    _, address = serve({"train_step": handler, "ping": Counting()})
     with pytest.raises(UnknownMethodError, match=r"no RPC method 'trian_step'.*\['ping', 'shutdown', 'train_step'\]"):
         call(address, "trian_step", Ping())
+    with RawConnection(address) as raw:
+        assert raw.hello()[0] == 200
+        raw.request("trian_step", b"", declared=1000)  # refused on the header: the body is never read
+        reply = refusal(raw.reply(), 404)
+        assert reply.message == "no RPC method 'trian_step'; this server has ['ping', 'shutdown', 'train_step']"
+        assert raw.closed_by_server()
+    assert handler.calls == []
 
 
 def raising_handler(msg):
@@ -271,3 +336,58 @@ def test_ipv6_loopback(serve):
     assert address.startswith("[::1]:")
     t = torch.arange(10).bfloat16()
     assert_same(call(address, "echo", Echo([t], "v6")), Echo([t], "v6"))
+
+
+def test_calls_one_after_another_share_one_connection(serve):
+    server, address = serve({"echo": Counting()})
+
+    async def go():
+        async with RpcClient([address], TOKEN) as client:
+            for i in range(20):
+                assert await client.call("echo", [Pong(i, 0)]) == [Pong(i, 0)]
+            assert server.connections_accepted == 1
+            await asyncio.gather(*(client.call("echo", [Pong(i, 0)]) for i in range(4)))
+            opened = server.connections_accepted
+            assert 2 <= opened <= 4, "calls at once each need a connection of their own"
+            for i in range(10):
+                await client.call("echo", [Pong(i, 0)])
+            assert server.connections_accepted == opened, "idle connections are reused"
+
+    asyncio.run(go())
+
+
+def test_a_server_restarted_on_the_same_port_is_reached_on_a_new_connection(serve):
+    """The idle connection to the old server has ended: the client must not send the next call on it."""
+    first, address = serve({"echo": Counting()})
+    port = parse_hostport(address)[1]
+
+    async def go():
+        async with RpcClient([address], TOKEN) as client:
+            assert await client.call("echo", [Pong(1, 0)]) == [Pong(1, 0)]
+            first.stop()
+            await asyncio.to_thread(first.serve_until_stopped, 30)
+            second, _ = await asyncio.to_thread(serve, {"echo": Counting(reply=Pong(2, 2))}, port=port)
+            await asyncio.sleep(0.1)  # the end of the old connection reaches the client's loop
+            assert await client.call("echo", [Pong(1, 0)]) == [Pong(2, 2)]
+            assert second.connections_accepted == 1
+
+    asyncio.run(go())
+
+
+def test_stop_lets_a_request_in_flight_finish(serve):
+    started = threading.Event()
+
+    def slow(msg):
+        started.set()
+        time.sleep(0.5)
+        return msg
+
+    server, address = serve({"slow": slow}, shutdown_timeout_s=10)
+    replies = []
+    caller = threading.Thread(target=lambda: replies.append(call(address, "slow", Pong(5, 5))))
+    caller.start()
+    assert started.wait(10)
+    server.stop()
+    caller.join(30)
+    assert replies == [Pong(5, 5)]
+    server.serve_until_stopped(timeout_s=10)
