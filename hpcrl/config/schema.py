@@ -77,7 +77,6 @@ def _default_roles() -> dict[str, RoleResources]:
     return {
         "server": RoleResources(setup_timeout_s=1200.0),
         "trainer": RoleResources(setup_timeout_s=600.0),
-        "critic": RoleResources(setup_timeout_s=600.0),
     }
 
 

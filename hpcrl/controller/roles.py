@@ -70,6 +70,7 @@ def _role_spec(
         torchrun=torchrun,
         env={**(env or {}), **cfg.cluster.env, **res.env},
         setup_timeout_s=res.setup_timeout_s,
+        resources=res,  # Slurm's settings (partition, time, sbatch lines, ...): the critic's may be the trainer's
     )
 
 

@@ -86,7 +86,7 @@ def test_algorithms_differ_in_the_fields_that_define_them():
     assert ppo.advantage == "gae" and load("algorithm=ppo").allocation.critic.workers == 1, "PPO has a critic"
     reinforce = load("algorithm=reinforce_pp")
     assert reinforce.algorithm.advantage == "batch_norm" and reinforce.allocation.critic.workers == 0
-    assert (reinforce.algorithm.kl, reinforce.algorithm.group_size) == (ppo.kl, ppo.group_size)
+    assert reinforce.algorithm.kl == ppo.kl and (reinforce.algorithm.group_size, ppo.group_size) == (4, 8)
 
 
 def test_slurm_cluster_defaults_give_servers_twenty_minutes():
