@@ -7,7 +7,7 @@ tensors, which travel as raw bytes). Replies are gathered in rank order.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
 from hpcrl.inference.weight_layout import DEFAULT_GROUP
 from hpcrl.rpc.client import RpcClient
@@ -26,19 +26,39 @@ from hpcrl.rpc.messages import (
 )
 
 
-class Trainers:
-    def __init__(self, addresses: list[str], token: str, temperature: float, timeout_s: float = 1800.0):
+class Ranks:
+    """What the controller asks every FSDP rank, the trainer's and the critic's: exports, checkpoints, shutdown."""
+
+    def __init__(self, addresses: list[str], token: str, timeout_s: float = 1800.0):
         self.addresses = addresses
         self.world_size = len(addresses)
-        self.temperature = temperature
         self.rpc = RpcClient(addresses, token, timeout_s=timeout_s)
 
-    async def __aenter__(self) -> Trainers:
+    async def __aenter__(self) -> Self:
         await self.rpc.__aenter__()
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.rpc.__aexit__(*exc)
+
+    async def export(self, path) -> None:
+        await self.rpc.broadcast("export_weights", ExportWeights(str(path)))
+
+    async def save_checkpoint(self, path) -> None:
+        await self.rpc.broadcast("save_checkpoint", SaveCheckpoint(str(path)))
+
+    async def load_checkpoint(self, path) -> None:
+        """Every rank restores model, optimizer, LR schedule and step from a ``save_checkpoint`` directory."""
+        await self.rpc.broadcast("load_checkpoint", LoadCheckpoint(str(path)))
+
+    async def shutdown(self) -> None:
+        await self.rpc.shutdown()
+
+
+class Trainers(Ranks):
+    def __init__(self, addresses: list[str], token: str, temperature: float, timeout_s: float = 1800.0):
+        super().__init__(addresses, token, timeout_s)
+        self.temperature = temperature
 
     async def train_step(self, shards: list[list[SequenceData]]) -> dict[str, float]:
         """One optimizer step on the global batch split in ``shards`` (one per rank); global metrics."""
@@ -51,16 +71,6 @@ class Trainers:
         requests = [ComputeLogprobs(SequenceBatch.pack(s), self.temperature) for s in shards]
         replies = await self.rpc.call("compute_logprobs", requests)
         return [reply.per_sequence() for reply in replies]
-
-    async def export(self, path) -> None:
-        await self.rpc.broadcast("export_weights", ExportWeights(str(path)))
-
-    async def save_checkpoint(self, path) -> None:
-        await self.rpc.broadcast("save_checkpoint", SaveCheckpoint(str(path)))
-
-    async def load_checkpoint(self, path) -> None:
-        """Every rank restores model, optimizer, LR schedule and step from a ``save_checkpoint`` directory."""
-        await self.rpc.broadcast("load_checkpoint", LoadCheckpoint(str(path)))
 
     async def host_weight_group(self, timeout_s: float) -> tuple[str, int, str]:
         """Rank 0 starts the weight-update group's rendezvous on its own node, on a port of its own slice;
@@ -80,6 +90,3 @@ class Trainers:
     async def push_weights(self, version: int, dtype: str) -> None:
         """Every rank gathers each tensor; rank 0 broadcasts it as ``dtype`` to the weight-update group."""
         await self.rpc.broadcast("push_weights", PushWeights(version, dtype))
-
-    async def shutdown(self) -> None:
-        await self.rpc.shutdown()

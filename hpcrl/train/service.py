@@ -44,7 +44,41 @@ from hpcrl.train.weight_push import (
 )
 
 
-class TrainerService:
+class EngineService:
+    """What every FSDP rank answers, the trainer's and the critic's: liveness, its step, exports, checkpoints."""
+
+    def __init__(self, engine: Engine, rank: int):
+        self.engine, self.rank = engine, rank
+
+    def handlers(self) -> dict:
+        return {
+            "ping": self.ping,
+            "info": self.info,
+            "export_weights": self.export_weights,
+            "save_checkpoint": self.save_checkpoint,
+            "load_checkpoint": self.load_checkpoint,
+        }
+
+    def ping(self, _: Ping) -> Pong:
+        return Pong(self.rank, os.getpid())
+
+    def info(self, _: TrainerInfo) -> TrainerState:
+        return TrainerState(self.rank, self.engine.step)
+
+    def export_weights(self, msg: ExportWeights) -> Ack:
+        self.engine.export_hf(msg.path)
+        return Ack()
+
+    def save_checkpoint(self, msg: SaveCheckpoint) -> Ack:
+        save_checkpoint(self.engine, msg.path)
+        return Ack()
+
+    def load_checkpoint(self, msg: LoadCheckpoint) -> Ack:
+        load_checkpoint(self.engine, msg.path)
+        return Ack()
+
+
+class TrainerService(EngineService):
     """The handlers of one rank. ``reference`` is the frozen initial policy, kept when ``algorithm.kl.coef > 0``."""
 
     def __init__(
@@ -57,7 +91,8 @@ class TrainerService:
         weight_host: str = "",  # this node's advertised address: rank 0 hosts the weight group's rendezvous there
         ports: PortAllocator | None = None,  # this worker's own port slice, for that rendezvous
     ):
-        self.engine, self.rank, self.reference = engine, rank, reference
+        super().__init__(engine, rank)
+        self.reference = reference
         self.weight_host, self.ports = weight_host, ports
         self.host = None  # rank 0's rendezvous of the weight-update group, once started
         self.loss_fn = make_loss_fn(cfg.algorithm, cfg.rollout.max_new_tokens)
@@ -66,25 +101,15 @@ class TrainerService:
 
     def handlers(self) -> dict:
         return {
-            "ping": self.ping,
-            "info": self.info,
+            **super().handlers(),
             "train_step": self.train_step,
             "compute_logprobs": self.compute_logprobs,
-            "export_weights": self.export_weights,
-            "save_checkpoint": self.save_checkpoint,
-            "load_checkpoint": self.load_checkpoint,
             "host_weight_group": self.host_weight_group,
             "join_weight_group": self.join_weight_group,
             "weight_specs": self.weight_specs,
             "push_weights": self.push_weights,
             "shutdown": self.shutdown,
         }
-
-    def ping(self, _: Ping) -> Pong:
-        return Pong(self.rank, os.getpid())
-
-    def info(self, _: TrainerInfo) -> TrainerState:
-        return TrainerState(self.rank, self.engine.step)
 
     def train_step(self, msg: TrainStep) -> TrainStepResult:
         """One optimizer step; first the reference policy's logprobs (KL term), which the controller does not have.
@@ -107,18 +132,6 @@ class TrainerService:
     def compute_logprobs(self, msg: ComputeLogprobs) -> LogprobsResult:
         sequences = _sequences(msg.batch)
         return LogprobsResult.of(self.engine.sequence_logprobs(sequences, msg.temperature))
-
-    def export_weights(self, msg: ExportWeights) -> Ack:
-        self.engine.export_hf(msg.path)
-        return Ack()
-
-    def save_checkpoint(self, msg: SaveCheckpoint) -> Ack:
-        save_checkpoint(self.engine, msg.path)
-        return Ack()
-
-    def load_checkpoint(self, msg: LoadCheckpoint) -> Ack:
-        load_checkpoint(self.engine, msg.path)
-        return Ack()
 
     def host_weight_group(self, msg: HostWeightGroup) -> WeightGroupAddress:
         """Rank 0: listen for the weight-update group on this node, on a port of this worker's own slice."""
