@@ -61,6 +61,9 @@ class JsonSequence:  # SequenceData's fields, as the train step carried them bef
     prox_logprobs: list[float] | None
     ref_logprobs: list[float] | None
     versions: list[int] | None
+    token_advantages: list[float] | None = None
+    returns: list[float] | None = None
+    old_values: list[float] | None = None
 
 
 @register

@@ -20,6 +20,7 @@ import torch
 
 TENSOR_KEY = "$tensor"
 _SCALARS = (int, float, str, bool)
+_EXACT = frozenset(_SCALARS)  # a value of exactly one of these types is its own JSON, both ways
 
 
 class FieldError(ValueError):
@@ -103,7 +104,12 @@ def to_json(value: Any, ann: Any, path: str, tensors: list[torch.Tensor]) -> Any
         return {k: to_json(v, args[1], f"{path}[{k!r}]", tensors) for k, v in value.items()}
     if not isinstance(value, ann):
         raise FieldError(f"{path}: expected {_name(ann)}, got {_kind(value)}")
-    return {name: to_json(getattr(value, name), t, f"{path}.{name}", tensors) for name, t in field_types(ann).items()}
+    out = {}
+    for name, t in field_types(ann).items():
+        v = getattr(value, name)
+        # the common case without a call or a path string: a scalar of exactly its annotated type
+        out[name] = v if type(v) is t and t in _EXACT else to_json(v, t, f"{path}.{name}", tensors)
+    return out
 
 
 def from_json(data: Any, ann: Any, path: str, tensors: list[torch.Tensor], used: set[int]) -> Any:
@@ -160,7 +166,10 @@ def dataclass_from_json(data: Any, cls: type, path: str, tensors: list[torch.Ten
             f"{path}: fields of {cls.__name__} do not match: missing {missing}, unexpected {extra[:5]}; "
             f"expected exactly {list(fields)}"
         )
-    values = {n: from_json(data[n], t, f"{path}.{n}", tensors, used) for n, t in fields.items()}
+    values = {}
+    for n, t in fields.items():
+        v = data[n]
+        values[n] = v if type(v) is t and t in _EXACT else from_json(v, t, f"{path}.{n}", tensors, used)
     try:
         return cls(**values)
     except Exception as e:  # a __post_init__ check of the message itself

@@ -67,7 +67,7 @@ from hpcrl.rpc.transport import (
     read_body,
     reply_parts,
 )
-from hpcrl.rpc.wire import DecodeError, decode, encode_parts
+from hpcrl.rpc.wire import Buffer, DecodeError, decode, encode_parts
 
 log = logging.getLogger(__name__)
 Handler = Callable[[Any], Any]
@@ -300,8 +300,7 @@ class RpcServer:
                 await self._send(conn, 400, ErrorReply(self.rank, method, "DecodeError", str(e), ""))
                 return True
             del body  # the message holds what it needs; the buffer goes back to its pool with it
-            status, reply = await self._run(method, self.handlers.get(method, _acknowledge), msg)
-            await self._send(conn, status, reply)
+            await self._answer(conn, method, self.handlers.get(method, _acknowledge), msg)
         finally:
             self._busy -= 1
         if method == SHUTDOWN:
@@ -320,22 +319,44 @@ class RpcServer:
             raise _Refused(404, method, "UnknownMethod", message)
         return method
 
-    async def _run(self, method: str, handler: Handler, msg: Any) -> tuple[int, Any]:
-        assert self._worker is not None
+    async def _answer(self, conn: Connection, method: str, handler: Handler, msg: Any) -> None:
+        """Run the handler and send its reply, or the ErrorReply (500) of what it raised.
+
+        A plain handler's reply leaves from the handler thread itself, as far as the socket takes it at once:
+        the client need not wait for the event loop to wake up for it (on 2 cores, a turn of the loop and a
+        hand-over of the GIL). The loop sends whatever is left, once the thread is done."""
+        if inspect.iscoroutinefunction(handler):  # on the event loop, concurrently with others
+            try:
+                parts = self._reply(method, 200, await handler(msg))
+            except Exception as e:
+                parts = self._failure(method, e)
+            await conn.send(parts)
+            return
+        # submitted now, in the order requests were decoded
+        unsent = await self._worker.run(self._run_and_reply, conn, method, handler, msg)
+        await conn.send(unsent)
+
+    def _run_and_reply(self, conn: Connection, method: str, handler: Handler, msg: Any) -> list[memoryview]:
+        """On the handler thread: the handler, its reply encoded and sent as far as it goes; the rest."""
         try:
-            if inspect.iscoroutinefunction(handler):  # on the event loop, concurrently with others
-                reply = await handler(msg)
-            else:  # submitted now, in the order requests were decoded
-                reply = await self._worker.run(handler, msg)
-            return 200, encode_parts(reply)
+            parts = self._reply(method, 200, handler(msg))
         except Exception as e:
-            log.exception("handler for %s failed", method)
-            text = "".join(traceback.format_exception(e))
-            return 500, ErrorReply(self.rank, method, type(e).__name__, str(e), text)
+            parts = self._failure(method, e)
+        return conn.send_nowait(parts)
+
+    def _reply(self, method: str, status: int, reply: Any) -> list[Buffer]:
+        try:
+            return reply_parts(status, encode_parts(reply))
+        except Exception as e:  # not a message (EncodeError): the handler's bug, told to the caller
+            return self._failure(method, e)
+
+    def _failure(self, method: str, e: Exception) -> list[Buffer]:
+        log.exception("handler for %s failed", method)
+        text = "".join(traceback.format_exception(e))
+        return reply_parts(500, encode_parts(ErrorReply(self.rank, method, type(e).__name__, str(e), text)))
 
     async def _send(self, conn: Connection, status: int, reply: Any) -> None:
-        parts = reply if isinstance(reply, list) else encode_parts(reply)
-        await conn.send(reply_parts(status, parts))
+        await conn.send(reply_parts(status, encode_parts(reply)))
 
     async def _refuse(self, conn: Connection, refusal: _Refused) -> None:
         reply = ErrorReply(self.rank, refusal.method, refusal.error_type, refusal.message, "")

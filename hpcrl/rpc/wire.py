@@ -39,6 +39,8 @@ ALIGN = 64
 _PRELUDE = struct.Struct(">4sHIQ")
 _HEADER_KEYS = ["type", "body", "tensors"]
 _TENSOR_KEYS = ["dtype", "shape", "offset", "nbytes"]
+_HEADER_KEY_SET, _TENSOR_KEY_SET = set(_HEADER_KEYS), set(_TENSOR_KEYS)
+_JSON = json.JSONEncoder(separators=(",", ":"))  # one encoder, not one per frame (json.dumps with options)
 _DTYPE_NAMES = [
     *("float64", "float32", "float16", "bfloat16", "complex64", "complex128", "bool"),
     *("int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64"),
@@ -80,7 +82,7 @@ def encode_parts(msg: Any) -> list[Buffer]:
         table.append({"dtype": _DTYPE_NAME[t.dtype], "shape": list(t.shape), "offset": offset, "nbytes": len(view)})
         views.append((offset - end, view))
         end = offset + len(view)
-    header = json.dumps({"type": name, "body": body, "tensors": table}, separators=(",", ":")).encode()
+    header = _JSON.encode({"type": name, "body": body, "tensors": table}).encode()
     header += b" " * (_align(_PRELUDE.size + len(header)) - _PRELUDE.size - len(header))
     parts: list[Buffer] = [_PRELUDE.pack(MAGIC, VERSION, len(header), end) + header]
     for pad, view in views:
@@ -141,7 +143,7 @@ def _parse_header(raw: bytes) -> dict[str, Any]:
         raise DecodeError(f"header is not UTF-8: {e}") from None
     except (ValueError, RecursionError) as e:
         raise DecodeError(f"header is not valid JSON: {str(e)[:200]}") from None
-    if type(header) is not dict or sorted(header) != sorted(_HEADER_KEYS):
+    if type(header) is not dict or header.keys() != _HEADER_KEY_SET:
         keys = sorted(header) if type(header) is dict else type(header).__name__
         raise DecodeError(f"header must be an object with keys {_HEADER_KEYS}, got {keys}")
     return header
@@ -152,7 +154,7 @@ def _tensors(table: Any, region: memoryview, data_len: int) -> list[torch.Tensor
         raise DecodeError(f"tensor table must be a list, got {type(table).__name__}")
     tensors, end = [], 0
     for i, entry in enumerate(table):
-        if type(entry) is not dict or sorted(entry) != sorted(_TENSOR_KEYS):
+        if type(entry) is not dict or entry.keys() != _TENSOR_KEY_SET:
             raise DecodeError(f"tensor {i}: entry must be an object with keys {_TENSOR_KEYS}")
         dtype, shape, offset, nbytes = (entry[k] for k in _TENSOR_KEYS)
         if type(dtype) is not str or dtype not in DTYPES:

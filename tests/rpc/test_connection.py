@@ -112,3 +112,21 @@ def test_connect_reaches_a_listener_by_name_and_address_and_refused_is_an_oserro
             await connect("127.0.0.1", port)
 
     asyncio.run(go())
+
+
+def test_send_nowait_from_another_thread_returns_what_the_socket_did_not_take():
+    data = pattern(8 << 20, 5)
+
+    async def go():
+        a, b = socket.socketpair()
+        left, right = Connection(a), Connection(b)
+        rest = await asyncio.to_thread(left.send_nowait, [b"head", data])
+        assert rest and sum(len(v) for v in rest) < len(data), "a socket buffer takes less than 8 MiB at once"
+        buf = memoryview(bytearray(4 + len(data)))
+        await asyncio.gather(left.send(rest), right.read_into(buf))
+        left.close()
+        assert left.send_nowait([b"x"]) == [memoryview(b"x")], "closed: nothing is written, all is returned"
+        right.close()
+        return bytes(buf)
+
+    assert asyncio.run(go()) == b"head" + data

@@ -391,3 +391,21 @@ def test_stop_lets_a_request_in_flight_finish(serve):
     caller.join(30)
     assert replies == [Pong(5, 5)]
     server.serve_until_stopped(timeout_s=10)
+
+
+def test_a_reply_larger_than_the_socket_takes_at_once_arrives_whole(serve):
+    """The handler thread sends what the socket takes; the event loop sends the rest."""
+    _, address = serve({"echo": Counting()})
+    t = torch.randint(0, 256, (48 << 20,), dtype=torch.uint8)
+    reply = call(address, "echo", Echo([t], "big"))
+    assert reply.note == "big" and torch.equal(reply.tensors[0], t)
+
+
+def test_a_coroutine_handler_that_raises_is_a_remote_error(serve):
+    async def bad(msg):
+        raise KeyError("no such episode")
+
+    _, address = serve({"bad": bad})
+    with pytest.raises(RemoteError, match="KeyError") as info:
+        call(address, "bad", Ping())
+    assert "in bad" in info.value.traceback
