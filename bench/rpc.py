@@ -12,7 +12,9 @@ trainer rank is a process of its own. The client (this process) sends, side by s
 
 Throughput is payload bytes over the wall time of ``--calls`` sends one after another (connections already
 open). Latency: ``ping`` (a Ping answered with a Pong, handler thread included) and a 1-byte raw round trip,
-one at a time. Goal: RPC / raw >= 0.5 at 64 MiB. Medians over runs of the per-run ratios.
+one at a time, with the CPU time each side spent per call over the same calls (this process's, and the server
+process's from psutil): on a shared machine the wall times carry the other load, the CPU times much less.
+Goals: RPC / raw >= 0.5 at 1 MiB and at 64 MiB, no-op p50 <= 250 us. Medians over runs of the per-run ratios.
 
 A train step's batch, side by side in each run: one rank's batch of the default job (64 prompts x 8 samples
 of 4 prompt + 2 completion tokens, with behaviour logprobs and versions) and a larger one of the same count
@@ -40,6 +42,7 @@ import sys
 import threading
 import time
 
+import psutil
 import torch
 from _jobs import median, table
 
@@ -118,7 +121,7 @@ def serve() -> None:
     address = server.start_in_thread()
     listener = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_raw_sink, args=(listener,), daemon=True).start()
-    print(json.dumps({"rpc": address, "raw": listener.getsockname()[1]}), flush=True)
+    print(json.dumps({"rpc": address, "raw": listener.getsockname()[1], "pid": os.getpid()}), flush=True)
     server.serve_until_stopped()
 
 
@@ -211,6 +214,17 @@ async def train_batch_ms(client: RpcClient, sequences: list[SequenceData], raw: 
     return median(out) * 1e3
 
 
+class CpuMeter:
+    """CPU seconds (user + system) of this process and of the server's, read before and after some calls."""
+
+    def __init__(self, server_pid: int):
+        self.server = psutil.Process(server_pid)
+
+    def read(self) -> tuple[float, float]:
+        times = self.server.cpu_times()
+        return time.process_time(), times.user + times.system
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -226,7 +240,7 @@ async def measure(addresses: dict, args) -> dict[str, list[float]]:
     rows: dict[str, list[float]] = {}
     tensors = {mib: torch.randint(0, 256, (int(mib * MIB),), dtype=torch.uint8) for mib in args.sizes_mib}
     batches = {name: train_batch(*shape) for name, shape in BATCHES.items()}
-    raw = Raw(addresses["raw"])
+    raw, cpu = Raw(addresses["raw"]), CpuMeter(addresses["pid"])
     async with RpcClient([addresses["rpc"]], TOKEN) as client:
         for sequences in batches.values():  # warm-up
             await train_batch_ms(client, sequences, True, 2)
@@ -240,7 +254,14 @@ async def measure(addresses: dict, args) -> dict[str, list[float]]:
                 calls = calls_for(t.numel(), args.quick)
                 rows.setdefault(f"rpc {mib:g} MiB", []).append(await rpc_throughput(client, t, calls))
                 rows.setdefault(f"raw {mib:g} MiB", []).append(raw_throughput(raw, t, calls))
-            rpc_lat, raw_lat = await rpc_latencies(client, args.pings), raw_latencies(raw, args.pings)
+            before = cpu.read()
+            rpc_lat = await rpc_latencies(client, args.pings)
+            between = cpu.read()
+            raw_lat = raw_latencies(raw, args.pings)
+            after = cpu.read()
+            for way, (start, end) in (("rpc", (before, between)), ("raw", (between, after))):
+                rows.setdefault(f"{way} cpu client", []).append((end[0] - start[0]) / args.pings * 1e6)
+                rows.setdefault(f"{way} cpu server", []).append((end[1] - start[1]) / args.pings * 1e6)
             rows.setdefault("rpc ping p50", []).append(percentile(rpc_lat, 0.5) * 1e6)
             rows.setdefault("rpc ping p99", []).append(percentile(rpc_lat, 0.99) * 1e6)
             rows.setdefault("raw 1 B p50", []).append(percentile(raw_lat, 0.5) * 1e6)
@@ -293,10 +314,14 @@ def report(rows: dict[str, list[float]], args) -> None:
         ["rpc no-op call (Ping -> Pong)", median(rows["rpc ping p50"]), median(rows["rpc ping p99"])],
         ["raw TCP 1-byte round trip", median(rows["raw 1 B p50"]), median(rows["raw 1 B p99"])],
     ]
-    print(table(["latency", "p50 us", "p99 us"], lat))
-    big = max(args.sizes_mib)
-    ratio = median([a / b for a, b in zip(rows[f"rpc {big:g} MiB"], rows[f"raw {big:g} MiB"], strict=True)])
-    print(f"rpc / raw at {big:g} MiB = {ratio:.2f} (goal >= 0.5): {'met' if ratio >= 0.5 else 'missed'}")
+    for row, way in zip(lat, ("rpc", "raw"), strict=True):
+        row += [median(rows[f"{way} cpu client"]), median(rows[f"{way} cpu server"])]
+    print(table(["latency", "p50 us", "p99 us", "client CPU us a call", "server CPU us a call"], lat))
+    p50 = median(rows["rpc ping p50"])
+    print(f"rpc no-op p50 = {p50:.0f} us (goal <= 250): {'met' if p50 <= 250 else 'missed'}")
+    for mib in args.sizes_mib:
+        ratio = median([a / b for a, b in zip(rows[f"rpc {mib:g} MiB"], rows[f"raw {mib:g} MiB"], strict=True)])
+        print(f"rpc / raw at {mib:g} MiB = {ratio:.2f} (goal >= 0.5): {'met' if ratio >= 0.5 else 'missed'}")
     print()
     out = []
     for name, (samples, prompt, completion) in BATCHES.items():
