@@ -69,16 +69,23 @@ def run_torchrun(argv: list[str], timeout_s: float, describe: str = "torchrun") 
 # one worker, as they share its nodes (most of their time is waiting on Slurm); every other test is spread over the
 # workers beside them
 SLURM_TESTS = ("tests/slurm/", "tests/doctor/test_slurm.py")
+# modules whose tests share one costly module fixture (torchrun launches): one worker runs all of a module's tests,
+# or every worker that gets one of them launches the fixture's runs again (70 s each for test_engine_fsdp.py)
+SHARED_FIXTURE_MODULES = ("tests/train/test_engine_fsdp.py", "tests/train/test_value_engine.py")
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's scheduling by scope, with one scope for the Slurm tests and one per test for the rest (xdist's own
-    ``xdist_group`` marks do not reach its scheduler under pytest 9.2, which keeps the node id elsewhere)."""
+    """xdist's scheduling by scope, with one scope for the Slurm tests, one per module of SHARED_FIXTURE_MODULES and
+    one per test for the rest (xdist's own ``xdist_group`` marks do not reach its scheduler under pytest 9.2, which
+    keeps the node id elsewhere)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class SlurmTestsTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "slurm" if nodeid.startswith(SLURM_TESTS) else nodeid
+            if nodeid.startswith(SLURM_TESTS):
+                return "slurm"
+            module = nodeid.split("::")[0]
+            return module if module in SHARED_FIXTURE_MODULES else nodeid
 
     return SlurmTestsTogether(config, log)

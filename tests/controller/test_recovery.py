@@ -231,3 +231,16 @@ def test_every_part_of_a_checkpoint_is_fsynced_before_it_is_marked_complete(tmp_
     marker = published.index(str(step_dir))
     assert any(s.startswith(f"{step_dir}/.{CONTROLLER_FILE}.") for s in published[:marker]), "controller.json first"
     assert published[-1] == str(tmp_path), "latest, renamed into place last"
+
+
+def test_a_checkpoint_with_a_critic_is_usable_only_with_its_critic_part(tmp_path, monkeypatch):
+    """With a critic, a checkpoint whose critic/ part is missing or damaged is unusable, said as the critic's."""
+    from hpcrl.controller import loop
+
+    damaged = {tmp_path / "critic": "trainer_state.json is missing"}
+    monkeypatch.setattr(loop, "check_checkpoint", lambda path: damaged.get(path))
+    assert loop._check_with_critic(tmp_path) == "the critic's part: trainer_state.json is missing"
+    damaged = {tmp_path: "the tensor file x is cut short", tmp_path / "critic": "trainer_state.json is missing"}
+    assert loop._check_with_critic(tmp_path) == "the tensor file x is cut short"
+    damaged = {}
+    assert loop._check_with_critic(tmp_path) is None
