@@ -18,7 +18,6 @@ from torch import Tensor, nn
 
 from hpcrl.config.schema import TrainConfig
 from hpcrl.train.batch import Sequence
-from hpcrl.train.dist import DistInfo
 from hpcrl.train.engine import Engine, run_on_main
 from hpcrl.train.value_model import ValueModel
 
@@ -29,15 +28,9 @@ class ValueEngine(Engine):
     """``model_path``: a value model directory (``ValueModel.save_pretrained``) or a causal LM's, whose backbone
     it takes with a fresh zero head."""
 
-    def __init__(
-        self,
-        model_path: str | Path,
-        train: TrainConfig,
-        dtype: str = "float32",
-        dist: DistInfo | None = None,
-        total_steps: int = 0,
-    ) -> None:
-        super().__init__(model_path, replace(train, lr=train.critic_lr), dtype, dist, total_steps)
+    def __init__(self, model_path: str | Path, train: TrainConfig, *args, **kwargs) -> None:
+        """``Engine``'s arguments; the optimizer's learning rate is ``train.critic_lr``."""
+        super().__init__(model_path, replace(train, lr=train.critic_lr), *args, **kwargs)
 
     def _load_model(self) -> tuple[nn.Module, nn.ModuleList, object]:
         model = ValueModel.from_pretrained(self.model_path)  # float32 master weights, as the policy's
