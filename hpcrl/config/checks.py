@@ -134,8 +134,8 @@ def resolve_allocation(a: AllocationConfig, cluster: ClusterConfig) -> Allocatio
 
 
 def _resolve_role(where: str, role: str, r: RoleAllocation, cluster: ClusterConfig) -> RoleAllocation:
+    # the critic's ranks are the trainer's kind (FSDP2 under torchrun), so its backends are the trainer's
     one_of(f"{where}.backend", r.backend, SERVER_BACKENDS if role == "server" else TRAINER_BACKENDS)
-    # the critic's ranks are the trainer's kind: FSDP2 under torchrun
     require(r.workers >= 1, f"{where}.workers", r.workers, "an integer >= 1")
     require(r.tp_size >= 1, f"{where}.tp_size", r.tp_size, "an integer >= 1")
     require(r.tp_size == 1 or role == "server", f"{where}.tp_size", r.tp_size, "1 (tensor parallelism is a server's)")
