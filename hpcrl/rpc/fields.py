@@ -55,6 +55,12 @@ def check_annotation(ann: Any, where: str, is_known: Callable[[type], bool]) -> 
     )
 
 
+@functools.cache  # annotations are few and hashable; typing's introspection is slow enough to matter per call
+def _origin_args(ann: Any) -> tuple[Any, tuple]:
+    return typing.get_origin(ann), typing.get_args(ann)
+
+
+@functools.cache
 def _optional_arg(ann: Any) -> Any:
     """``X`` for ``X | None`` / ``Optional[X]``, else None."""
     if typing.get_origin(ann) not in (types.UnionType, typing.Union):
@@ -88,7 +94,7 @@ def to_json(value: Any, ann: Any, path: str, tensors: list[torch.Tensor]) -> Any
         return {TENSOR_KEY: len(tensors) - 1}
     if (inner := _optional_arg(ann)) is not None:
         return to_json(value, inner, path, tensors)
-    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    origin, args = _origin_args(ann)
     if origin is list:
         if not isinstance(value, list | tuple):
             raise FieldError(f"{path}: expected a list, got {_kind(value)}")
@@ -141,7 +147,7 @@ def from_json(data: Any, ann: Any, path: str, tensors: list[torch.Tensor], used:
         return _tensor_ref(data, path, tensors, used)
     if (inner := _optional_arg(ann)) is not None:
         return from_json(data, inner, path, tensors, used)
-    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    origin, args = _origin_args(ann)
     if origin is list:
         if type(data) is not list:
             raise FieldError(f"{path}: expected a list, got {_json_kind(data)}")

@@ -51,8 +51,8 @@ from typing import Any
 
 from hpcrl.net import discover_host, family_of, format_hostport, is_ipv6
 from hpcrl.rpc import auth
-from hpcrl.rpc.connection import Connection
-from hpcrl.rpc.handler_thread import HandlerThread
+from hpcrl.rpc.connection import Connection, ConnectionEnded
+from hpcrl.rpc.handler_thread import Call, HandlerThread
 from hpcrl.rpc.messages import MESSAGES, Ack, ErrorReply, Welcome
 from hpcrl.rpc.transport import (
     HEAD,
@@ -119,7 +119,9 @@ class RpcServer:
         self._error: BaseException | None = None
         self._worker: HandlerThread | None = None
         self._tasks: set[asyncio.Task] = set()  # one per open connection
-        self._busy = 0  # requests read and not yet answered
+        self._busy = 0  # requests read and not yet answered (the handler thread ends some)
+        self._busy_lock = threading.Lock()
+        self._init_error: BaseException | None = None  # what thread_init raised: every request gets it (500)
 
     # --- running ----------------------------------------------------------------------------------------
 
@@ -179,7 +181,7 @@ class RpcServer:
 
     async def _serve(self, on_ready: Callable[[str], None]) -> None:
         listener = _listen(self.host, self.port)
-        self._worker = HandlerThread(f"rpc-handler-{self.rank}", self.thread_init)
+        self._worker = HandlerThread(f"rpc-handler-{self.rank}", self._init_handler_thread)
         accepting = asyncio.create_task(self._accept(listener), name=f"rpc-accept-{self.rank}")
         try:
             self._loop, self._stop_event = asyncio.get_running_loop(), asyncio.Event()
@@ -230,11 +232,14 @@ class RpcServer:
     # --- one connection ---------------------------------------------------------------------------------
 
     async def _serve_connection(self, sock: socket.socket) -> None:
-        conn = Connection(sock)
+        conn, previous = Connection(sock), _InFlight()
         try:
             if await self._greet(conn):
-                while await self._serve_request(conn):
+                while await self._serve_request(conn, previous):
                     pass
+        except asyncio.CancelledError:  # the server stops: a handler the thread has not started will not run
+            previous.cancel()
+            raise
         except _Refused as refusal:
             await self._refuse(conn, refusal)
         except ConnectionError as e:  # the peer went away (mid-body, say): there is no one to answer
@@ -281,17 +286,22 @@ class RpcServer:
         await conn.close_after_reply(LINGER_S)
         return False
 
-    async def _serve_request(self, conn: Connection) -> bool:
-        """Read, check, run and answer one request. False when the connection should close."""
+    async def _serve_request(self, conn: Connection, previous: _InFlight) -> bool:
+        """Read, check and run one request (a plain handler answers it from the handler thread, while this
+        coroutine goes on to wait for the next request). False when the connection should close."""
         try:
-            magic, name_len, size = HEAD.unpack(await conn.read_exactly(HEAD.size))
-        except ConnectionError:  # between requests: the client closed its connection
+            head = await conn.read_exactly(HEAD.size)
+        except ConnectionError:  # between requests: the client closed its connection (or half: it still reads)
+            await previous.answered()
             return False
+        await previous.answered()  # one request at a time: the previous reply has left before this one is read
+        magic, name_len, size = HEAD.unpack(head)
         method = await self._method(conn, magic, name_len)
         if size > self.max_body_bytes:
             message = f"body of {size} bytes is over this server's limit of {self.max_body_bytes} (max_body_bytes)"
             raise _Refused(413, method, "PayloadTooLarge", message)
-        self._busy += 1
+        self._count_busy(1)
+        handed_off = False
         try:
             body = await read_body(conn, size)
             try:
@@ -300,14 +310,20 @@ class RpcServer:
                 await self._send(conn, 400, ErrorReply(self.rank, method, "DecodeError", str(e), ""))
                 return True
             del body  # the message holds what it needs; the buffer goes back to its pool with it
-            await self._answer(conn, method, self.handlers.get(method, _acknowledge), msg)
+            handed_off = await self._answer(conn, method, self.handlers.get(method, _acknowledge), msg, previous)
         finally:
-            self._busy -= 1
+            if not handed_off:
+                self._count_busy(-1)
         if method == SHUTDOWN:
+            await previous.answered()
             log.info("shutdown requested by %s", conn.peer)
             self.stop()
             return False
         return True
+
+    def _count_busy(self, n: int) -> None:
+        with self._busy_lock:  # the handler thread ends the requests it answers
+            self._busy += n
 
     async def _method(self, conn: Connection, magic: bytes, name_len: int) -> str:
         if magic != REQUEST or not 1 <= name_len <= MAX_METHOD_BYTES:
@@ -319,30 +335,66 @@ class RpcServer:
             raise _Refused(404, method, "UnknownMethod", message)
         return method
 
-    async def _answer(self, conn: Connection, method: str, handler: Handler, msg: Any) -> None:
-        """Run the handler and send its reply, or the ErrorReply (500) of what it raised.
+    async def _answer(self, conn: Connection, method: str, handler: Handler, msg: Any, flight: _InFlight) -> bool:
+        """Run the handler and send its reply, or the ErrorReply (500) of what it raised. True when the
+        request was handed to the handler thread, which answers it and ends it (``_count_busy``).
 
         A plain handler's reply leaves from the handler thread itself, as far as the socket takes it at once:
         the client need not wait for the event loop to wake up for it (on 2 cores, a turn of the loop and a
-        hand-over of the GIL). The loop sends whatever is left, once the thread is done."""
+        hand-over of the GIL). Nor is the loop woken when the thread is done: it learns that when the next
+        request's header arrives (``_InFlight.answered``). Only when the socket did not take the whole reply
+        is the loop woken at once, to send the rest."""
         if inspect.iscoroutinefunction(handler):  # on the event loop, concurrently with others
             try:
                 parts = self._reply(method, 200, await handler(msg))
             except Exception as e:
                 parts = self._failure(method, e)
             await conn.send(parts)
-            return
-        # submitted now, in the order requests were decoded
-        unsent = await self._worker.run(self._run_and_reply, conn, method, handler, msg)
-        await conn.send(unsent)
+            return False
+        rest = self._loop.create_future()  # set once the part of the reply the socket did not take is sent
+        flight.call, flight.rest = self._worker.submit(self._run_and_reply, conn, method, handler, msg, rest), rest
+        return True  # submitted now, in the order requests were decoded
 
-    def _run_and_reply(self, conn: Connection, method: str, handler: Handler, msg: Any) -> list[memoryview]:
-        """On the handler thread: the handler, its reply encoded and sent as far as it goes; the rest."""
+    def _init_handler_thread(self) -> None:
+        if self.thread_init is not None:
+            try:
+                self.thread_init()
+            except BaseException as e:  # reported to every call rather than killing the thread silently
+                self._init_error = e
+
+    def _run_and_reply(self, conn: Connection, method: str, handler: Handler, msg: Any, rest: asyncio.Future) -> bool:
+        """On the handler thread: the handler, its reply encoded and sent as far as it goes. True when the
+        rest goes from the event loop (``rest`` is set once it has left)."""
         try:
-            parts = self._reply(method, 200, handler(msg))
-        except Exception as e:
-            parts = self._failure(method, e)
-        return conn.send_nowait(parts)
+            try:
+                if self._init_error is not None:
+                    raise RuntimeError(f"the handler thread's init failed: {self._init_error!r}") from self._init_error
+                parts = self._reply(method, 200, handler(msg))
+            except Exception as e:
+                parts = self._failure(method, e)
+            unsent = conn.send_nowait(parts)
+        except BaseException:  # a bug here: nobody on the loop waits for this call, so end the connection
+            log.exception("RPC server of rank %d failed to answer %s from %s", self.rank, method, conn.peer)
+            self._loop.call_soon_threadsafe(conn.close)
+            raise
+        if not unsent:
+            self._count_busy(-1)
+            return False
+        self._loop.call_soon_threadsafe(self._send_rest, conn, unsent, rest)
+        return True
+
+    def _send_rest(self, conn: Connection, unsent: list[memoryview], rest: asyncio.Future) -> None:
+        """On the event loop: what the handler thread could not send."""
+        task = asyncio.ensure_future(conn.send(unsent))
+        self._tasks.add(task)  # cancelled with the connections when the server stops
+
+        def sent(task: asyncio.Task) -> None:
+            self._tasks.discard(task)
+            self._count_busy(-1)
+            if not rest.done():  # an error is the result, raised by whoever waits: never an unretrieved one
+                rest.set_result(ConnectionEnded("cancelled") if task.cancelled() else task.exception())
+
+        task.add_done_callback(sent)
 
     def _reply(self, method: str, status: int, reply: Any) -> list[Buffer]:
         try:
@@ -363,6 +415,29 @@ class RpcServer:
         with contextlib.suppress(ConnectionError):
             await self._send(conn, refusal.status, reply)
             await conn.close_after_reply(LINGER_S)
+
+
+class _InFlight:
+    """A connection's request whose plain handler was handed to the handler thread, until its reply has left."""
+
+    def __init__(self) -> None:
+        self.call: Call | None = None
+        self.rest: asyncio.Future | None = None
+
+    async def answered(self) -> None:
+        """Wait until the handler has run and its whole reply was sent; raises why the reply could not go."""
+        call, rest = self.call, self.rest
+        if call is None or rest is None:
+            return
+        self.call = self.rest = None
+        if await call.result():  # the loop sends the rest of the reply
+            error = await rest
+            if error is not None:
+                raise error
+
+    def cancel(self) -> None:
+        if self.call is not None:
+            self.call.cancel()
 
 
 def _acknowledge(_: Any) -> Ack:

@@ -192,7 +192,11 @@ def _raw_bytes(t: torch.Tensor, what: str) -> memoryview:
         raise EncodeError(f"{what}: only dense CPU tensors travel; got {t.device} {t.layout}, call .cpu() first")
     if t.dtype not in _DTYPE_NAME:
         raise EncodeError(f"{what}: dtype {t.dtype} is not supported; supported: {sorted(DTYPES)}")
-    flat = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
     return flat.view(torch.uint8).numpy().data  # uint8 is plain bytes to numpy, whatever the dtype

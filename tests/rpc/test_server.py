@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import socket
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -409,3 +411,65 @@ def test_a_coroutine_handler_that_raises_is_a_remote_error(serve):
     with pytest.raises(RemoteError, match="KeyError") as info:
         call(address, "bad", Ping())
     assert "in bad" in info.value.traceback
+
+
+def _slow_echo(msg):
+    time.sleep(0.3)  # long enough for the next request to arrive while this handler still runs
+    return msg
+
+
+def test_a_refusal_pipelined_behind_a_slow_handler_is_sent_after_its_reply(serve):
+    """The event loop reads the next header while the handler thread still answers the previous request: it
+    must not refuse (and close) before that reply has left, nor reorder the replies."""
+    _, address = serve({"slow": _slow_echo})
+    with RawConnection(address) as conn:
+        assert conn.hello()[0] == 200
+        conn.request("slow", encode(Pong(7, 8)))
+        conn.request("nope", b"")
+        status, body = conn.reply()
+        assert (status, decode(body)) == (200, Pong(7, 8))
+        status, body = conn.reply()
+        assert status == 404 and decode(body, ErrorReply).error_type == "UnknownMethod"
+        assert conn.closed_by_server()
+
+
+def test_pipelined_requests_on_one_connection_are_answered_in_order(serve):
+    _, address = serve({"slow": _slow_echo, "echo": Counting()})
+    with RawConnection(address) as conn:
+        assert conn.hello()[0] == 200
+        for i in range(3):
+            conn.request("slow" if i == 0 else "echo", encode(Pong(i, i)))
+        assert [decode(conn.reply()[1]) for _ in range(3)] == [Pong(0, 0), Pong(1, 1), Pong(2, 2)]
+
+
+def test_a_client_that_half_closes_after_its_request_still_gets_the_reply(serve):
+    """The end of the client's stream between requests must not close the connection before the reply of a
+    request still in the handler has left."""
+    _, address = serve({"slow": _slow_echo})
+    with RawConnection(address) as conn:
+        assert conn.hello()[0] == 200
+        conn.request("slow", encode(Pong(1, 2)))
+        conn.sock.shutdown(socket.SHUT_WR)
+        status, body = conn.reply()
+        assert (status, decode(body)) == (200, Pong(1, 2))
+        assert conn.closed_by_server()
+
+
+def test_a_request_is_freed_once_its_handler_has_run_not_at_the_next_request(serve):
+    """The message (and the receive buffer its tensors share) must not stay alive while the connection is idle."""
+    seen: list[weakref.ref] = []
+
+    def keep_a_weakref(msg: Echo) -> Ack:
+        seen.append(weakref.ref(msg.tensors[0]))
+        return Ack()
+
+    _, address = serve({"sink": keep_a_weakref})
+    with RawConnection(address) as conn:
+        assert conn.hello()[0] == 200
+        conn.request("sink", encode(Echo([torch.ones(1 << 20, dtype=torch.uint8)], "")))
+        assert conn.reply()[0] == 200
+        deadline = time.monotonic() + 5
+        while seen[0]() is not None and time.monotonic() < deadline:
+            gc.collect()
+            time.sleep(0.01)
+        assert seen[0]() is None, "the request's tensor is still alive after its reply, with no other request"
