@@ -36,6 +36,7 @@ from hpcrl.controller.roles import role_specs
 from hpcrl.controller.servers import ServerPool
 from hpcrl.controller.trainers import Trainers
 from hpcrl.controller.weights import WeightSync
+from hpcrl.gc_freeze import freeze_startup_heap
 from hpcrl.inference.client import InferenceClient
 from hpcrl.inference.options import client_options
 from hpcrl.launch.addresses import port_range, worker_addresses
@@ -152,6 +153,7 @@ async def _drive(cfg, run_dir, workers, addresses, token, rows, preempt) -> dict
             await sync.setup()  # trainer rank 0 hosts the group on its own node, with a port of its own slice
         with Progress(cfg.run.max_steps) as progress:
             loop.progress = progress.update
+            freeze_startup_heap("controller")  # every worker, the data and the loop are up
             summary = await loop.run(sync)
         final = run_dir.path / FINAL_DIR
         await trainers.export(final)  # the weights the last evaluation measured

@@ -27,8 +27,8 @@ number of episodes run at once (``RpcServer`` runs coroutine handlers concurrent
 ones, such as ``ping``, one at a time on its handler thread).
 
 RPC methods: ``run_episode(EpisodeRequest) -> Group``; ``set_resumed(SetResumed) -> Ack``, cleared by the
-controller before it pauses the servers for a weight update and set after they continue, so samples the
-pause aborted wait rather than resubmit; ``set_servers(SetServers) -> Ack``, which makes the inference
+controller before a weight update aborts the servers' requests and set once the servers hold the new weights,
+so samples the update aborted wait rather than resubmit; ``set_servers(SetServers) -> Ack``, which makes the inference
 client's pool exactly those addresses when the controller restarted a server (perhaps at a new address) or
 lost one: later requests go to these servers only, and with none they wait for one to join. A list with an
 address that is not ``host:port``, or one twice, is refused as a whole (an RPC error naming it) and the pool
@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.load import load_run_config
 from hpcrl.config.schema import Config
+from hpcrl.gc_freeze import freeze_startup_heap
 from hpcrl.launch.addresses import port_range, worker_addresses
 from hpcrl.launch.lease import Lease
 from hpcrl.launch.registry import Entry, Registry
@@ -189,6 +190,7 @@ async def _serve_registered(
     extra = {"lease": lease.serve(token, bind, lease_port, advertised)} if lease else {}
     registered = Registry(run_dir.registry).register(Entry(ROLE, rank, advertised, port, extra=extra))
     log.info("ready: rollout RPC at %s (registered in %s)", server.address, registered)
+    freeze_startup_heap("rollout")
     try:
         while not signals and not _stopped(server):
             await asyncio.sleep(_POLL_S)

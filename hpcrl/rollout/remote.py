@@ -2,8 +2,8 @@
 
     async with RemoteEpisodes(addresses, token) as remote:         # addresses[r]: rollout worker r's host:port
         group = await remote.run({"prompt": ..., "answer": ...})    # on the least-loaded live worker
-        await remote.pause()    # before the servers are paused for a weight update ...
-        await remote.resume()   # ... and after they continue
+        await remote.pause()    # before a weight update aborts the servers' requests ...
+        await remote.resume()   # ... and once the servers hold the new weights
         await remote.set_servers(["node3:30000"])  # the inference servers' pool, after one restarted or died
         await remote.shutdown()
 
@@ -59,7 +59,7 @@ class EpisodeRequest:
 @register
 @dataclasses.dataclass
 class SetResumed:
-    resumed: bool  # False while weights are updated: samples a pause aborted wait instead of resubmitting
+    resumed: bool  # False while weights are updated: samples an update aborted wait instead of resubmitting
 
 
 @register

@@ -1,8 +1,9 @@
 """Single-turn RLVR: one prompt, a group of samples, each scored by the reward function.
 
 The group goes to a server as one batched request (SGLang's ``input_ids`` as a list of prompts, one
-``sampling_params`` each): one HTTP round trip, not one per sample. A weight update pauses the servers in
-``abort`` mode: each interrupted sample comes back with the tokens it had, and goes on from there once
+``sampling_params`` each): one HTTP round trip, not one per sample. A weight update aborts the servers'
+requests (``abort_all_requests`` on a disk load, an ``abort``-mode pause around a distributed push): each
+interrupted sample comes back with the tokens it had, and goes on from there once
 generation resumes (the prompt plus those tokens, with the remaining token budget; a group's interrupted
 samples go on together in one request), so no work is lost and no sample is cut short by an update.
 """
