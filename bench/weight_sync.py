@@ -8,9 +8,12 @@ for the tiny model is in ``bench/async_pipeline.py``'s metrics). This process pl
 full model in memory; a second process (this script with ``--receive``) plays the CPU inference server, with
 the server's ``ModelRunner``. Per model, side by side in each run:
 
-- disk: write the model as ``Engine.export_hf`` does (``save_pretrained`` of the state dict, tied copies
-  dropped, into a hidden directory renamed into place), then the receiver's
-  ``ModelRunner.load_weights_from_disk`` (safetensors ``load_file`` + copy into the parameters);
+- disk: write the weights as ``Engine.export_weights`` does for the job's weight sync (one safetensors file
+  by ``safetensors.torch.save_file``, tied copies dropped, into a hidden directory renamed into place), then
+  the receiver's ``ModelRunner.load_weights_from_disk`` (safetensors ``load_file`` + copy into the
+  parameters); "disk: export" is the writing part alone;
+- disk, save_pretrained: the same, written as ``Engine.export_hf`` does (``save_pretrained``, the weight
+  sync's way before 2026-12-02; without the tokenizer files ``export_hf`` also copies);
 - gloo: the weight-update group of ``hpcrl/inference/weight_group.py`` (rank 0 + the receiver), rank 0
   ``send_tensors``, the receiver ``receive_tensors`` + ``ModelRunner.load_tensors``, as the server's
   ``/update_weights_from_distributed`` does;
@@ -37,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from _jobs import median, table
+from safetensors.torch import save_file
 
 from hpcrl.inference.weight_group import close_weight_group, open_weight_group, receive_tensors, send_tensors
 from hpcrl.models.tiny import make_tiny_model
@@ -48,6 +52,7 @@ MODELS = {  # name -> make_tiny_model sizes
     "quick": dict(hidden_size=256, num_layers=2, num_heads=4, intermediate_size=1024),
 }
 DISK, GLOO, STOP = 1, 2, 0
+WAYS = ("disk", "disk: export", "disk, save_pretrained", "gloo", "memcpy", "raw disk")
 ALPHABET = "+0123456789="  # the mod10 task's, as the default job makes its model
 
 
@@ -95,10 +100,14 @@ def _state(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def export(model, state: dict[str, torch.Tensor], out: Path) -> None:
+def export(model, state: dict[str, torch.Tensor], out: Path, save_pretrained: bool = False) -> None:
     tmp = out.with_name(f".{out.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=dict(state), safe_serialization=True)  # it empties the dict it gets
+    if save_pretrained:
+        model.save_pretrained(tmp, state_dict=dict(state), safe_serialization=True)  # it empties the dict it gets
+    else:
+        tmp.mkdir(parents=True)
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
 
@@ -130,16 +139,17 @@ def measure(name: str, sizes: dict, work: Path, runs: int) -> dict[str, list[flo
     port = PortAllocator().allocate(1)[0]
     cmd = [sys.executable, __file__, "--receive", str(model_dir), str(port), str(export_dir)]
     receiver = subprocess.Popen(cmd)
-    times: dict[str, list[float]] = {"disk": [], "disk: export": [], "gloo": [], "memcpy": [], "raw disk": []}
+    times: dict[str, list[float]] = {way: [] for way in WAYS}
     size = sum(t.numel() * t.element_size() for t in tensors)
     repeat = max(1, min(10, int(50e6 // size)))  # small models: the median of several, against the noise
     try:
         group = open_weight_group("127.0.0.1", port, 0, 2)
 
-        def disk() -> float:
+        def disk(save_pretrained: bool = False) -> float:
             start = time.perf_counter()
-            export(model, state, export_dir)
-            lap["disk: export"].append(time.perf_counter() - start)
+            export(model, state, export_dir, save_pretrained)
+            if not save_pretrained:
+                lap["disk: export"].append(time.perf_counter() - start)
             command(group, DISK)
             wait_ack(group)
             return time.perf_counter() - start
@@ -155,6 +165,7 @@ def measure(name: str, sizes: dict, work: Path, runs: int) -> dict[str, list[flo
 
         ways = {
             "disk": disk,
+            "disk, save_pretrained": lambda: disk(save_pretrained=True),
             "gloo": lambda: _timed(gloo),
             "memcpy": lambda: _timed(memcpy),
             "raw disk": lambda: _timed(lambda: raw_disk(tensors, copies, work / f"{name}.raw")),
@@ -205,7 +216,7 @@ def report(results: dict[str, dict[str, list[float]]], args, work: Path) -> None
     rows = []
     for name, t in results.items():
         size = t["bytes"][0]
-        for way in ("disk", "disk: export", "gloo", "memcpy", "raw disk"):
+        for way in WAYS:
             rows.append(
                 [
                     f"{name} ({t['params'][0] / 1e6:.1f}M params, {size / 1e6:.0f} MB)",
@@ -220,7 +231,11 @@ def report(results: dict[str, dict[str, list[float]]], args, work: Path) -> None
     for name, t in results.items():
         gloo_vs_disk = median([a / b for a, b in zip(t["gloo"], t["disk"], strict=True)])
         disk_vs_raw = median([a / b for a, b in zip(t["disk"], t["raw disk"], strict=True)])
-        print(f"{name}: gloo / disk time = {gloo_vs_disk:.2f}; disk (safetensors) / raw disk time = {disk_vs_raw:.2f}")
+        pretrained = median([a / b for a, b in zip(t["disk, save_pretrained"], t["disk"], strict=True)])
+        print(
+            f"{name}: gloo / disk time = {gloo_vs_disk:.2f}; disk (safetensors) / raw disk time = {disk_vs_raw:.2f}; "
+            f"disk with save_pretrained / disk = {pretrained:.2f}"
+        )
 
 
 if __name__ == "__main__":

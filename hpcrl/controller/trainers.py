@@ -87,6 +87,10 @@ class Trainers(Ranks):
         spec = (await self.rpc.broadcast("weight_specs", WeightSpecsRequest(dtype)))[0]
         return list(zip(spec.names, spec.dtypes, spec.shapes, strict=True))
 
+    async def export_for_servers(self, path) -> None:
+        """Rank 0 writes the weights alone (one safetensors file) to ``path`` for ``/update_weights_from_disk``."""
+        await self.rpc.broadcast("export_for_servers", ExportWeights(str(path)))
+
     async def push_weights(self, version: int, dtype: str) -> None:
         """Every rank gathers each tensor; rank 0 broadcasts it as ``dtype`` to the weight-update group."""
         await self.rpc.broadcast("push_weights", PushWeights(version, dtype))

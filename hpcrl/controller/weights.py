@@ -1,13 +1,19 @@
 """Weight sync: after a train step, the servers get the new weights, tagged with the new version.
 
-Generation is paused in ``abort`` mode while the servers take the weights: in-flight requests come back
-with what they have, and the workflow resubmits them once generation resumes (``resumed`` is cleared
-before the pause and set after the continue, so nothing is submitted in between). By ``train.weight_sync``:
+In-flight requests are aborted while the servers take the weights: they come back with what they have, and
+the workflow resubmits them once generation resumes (``resumed`` is cleared before the servers are told and
+set once they have the weights, so nothing is submitted in between). By ``train.weight_sync``:
 
-- ``disk``: trainer rank 0 exports the model (Hugging Face layout) under the run directory while the
-  servers go on generating with the old weights (with ``rollout.max_staleness`` > 0 they have work); then
-  generation is paused only for every server to load it (``/update_weights_from_disk``);
-- ``distributed``: at start, trainer rank 0 starts the group's rendezvous on its own node with a port of
+- ``disk``: trainer rank 0 writes the weights alone (one ``model.safetensors``, no config or tokenizer
+  files: SGLang's loader reads only the ``*.safetensors`` of the directory) under the run directory while
+  the servers go on generating with the old weights (with ``rollout.max_staleness`` > 0 they have work);
+  then one call per server, ``/update_weights_from_disk`` with ``abort_all_requests``, aborts what runs and
+  loads it. No pause and continue around it: SGLang loads under its model-update lock, which holds new
+  requests until the load and the cache flush are done (its abort-mode pause would add two round trips,
+  and polls every 1 s until the aborted requests have ended). The older exports are deleted in a thread
+  once the servers hold the new one, while the run goes on;
+- ``distributed``: generation is paused (``abort``) for the push and continued after it. At start, trainer
+  rank 0 starts the group's rendezvous on its own node with a port of
   its own slice and reports it (host, port, backend: nccl on CUDA, gloo on CPU), and every
   tensor-parallel rank of every server joins it (``/init_weights_update_group``, ``rank_offset + tp_rank``).
   Each push is one session per server: ``/begin_weight_update``, then one
@@ -50,6 +56,7 @@ class WeightSync:
         self.episodes: Any = None  # rollout.remote.RemoteEpisodes when rollout workers run the episodes
         self.lock = asyncio.Lock()  # held by a push, and by a restarted server loading ``current``
         self.current: tuple[str, int] | None = None  # disk: the newest export and its version (None: the initial)
+        self.cleanup: asyncio.Task | None = None  # disk: the older exports' deletion, after the last push
 
     async def setup(self) -> None:
         """Form the weight-update group (distributed mode): rank 0 hosts it, every server rank joins."""
@@ -71,31 +78,35 @@ class WeightSync:
 
     async def push(self, version: int) -> None:
         async with self.lock:
+            await self._cleaned()
             exported = await self._export(version) if self.mode == "disk" else None
             self.resumed.clear()
             if self.episodes is not None:  # rollout workers hold their resubmissions until the servers resume
                 await self.episodes.pause()
-            await self.client.pause("abort")
             try:
                 if exported is not None:
-                    await self._load(exported, version)
+                    await self.client.update_weights_from_disk(str(exported), version, abort_all_requests=True)
                 else:
-                    await self._push_distributed(version)
+                    await self.client.pause("abort")
+                    try:
+                        await self._push_distributed(version)
+                    finally:
+                        await self.client.resume()
             finally:
-                await self.client.resume()
                 if self.episodes is not None:
                     await self.episodes.resume()
                 self.resumed.set()
+            if exported is not None:  # in a thread, while the run goes on: awaited by the next push or close()
+                self.cleanup = asyncio.create_task(asyncio.to_thread(self._drop_older, exported))
 
     async def _export(self, version: int) -> Path:
         path = self.weights_dir / f"v{version:06d}"
-        await self.trainers.export(path)
+        await self.trainers.export_for_servers(path)
         self.current = (str(path), version)  # a server restarted from now on loads this one
         return path
 
-    async def _load(self, path: Path, version: int) -> None:
-        await self.client.update_weights_from_disk(str(path), version)
-        # the servers hold the new export: the older ones go, those of an interrupted earlier run too
+    def _drop_older(self, path: Path) -> None:
+        """The servers hold ``path``: the older exports go, those of an interrupted earlier run too."""
         for old in self.weights_dir.glob("v*"):
             if old != path:
                 shutil.rmtree(old, ignore_errors=True)
@@ -114,6 +125,12 @@ class WeightSync:
             last = i == len(self.buckets) - 1
             await self.client.update_weights_from_distributed(names, dtypes, shapes, version, flush_cache=last)
 
+    async def _cleaned(self) -> None:
+        if self.cleanup is not None:
+            await self.cleanup
+            self.cleanup = None
+
     async def close(self) -> None:
+        await self._cleaned()
         if self.mode == "distributed" and self.buckets is not None:
             await self.client.destroy_weights_update_group()

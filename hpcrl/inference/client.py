@@ -269,11 +269,16 @@ class InferenceClient:
         *,
         timeout_s: float | None = None,
         servers: Sequence[str] | None = None,
+        abort_all_requests: bool = False,
     ) -> None:
         """Every server (or those in ``servers``) loads the checkpoint at ``model_path``, a path its node can read.
 
-        SGLang answers after the load and the cache flush: the deadline is ``weight_update_timeout_s``."""
+        SGLang answers after the load and the cache flush: the deadline is ``weight_update_timeout_s``. With
+        ``abort_all_requests`` the running requests end first (``finish_reason`` abort, with what they have);
+        unpaused, SGLang holds new requests until the load is done (its model-update lock)."""
         payload = {"model_path": model_path, "weight_version": str(weight_version), "flush_cache": True}
+        if abort_all_requests:
+            payload["abort_all_requests"] = True
         payloads = self._same(payload) if servers is None else self._only(servers, payload)
         await self._http.call_all(
             "POST",

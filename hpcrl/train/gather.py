@@ -1,4 +1,5 @@
-"""The unsharded state dict of an FSDP2 model on rank 0, in one all-gather per dtype.
+"""The unsharded state dict of an FSDP2 model (or a copy of an unsharded one's) on rank 0, in one all-gather per
+dtype.
 
 ``torch.distributed.checkpoint``'s ``get_model_state_dict(full_state_dict=True)`` gathers tensor by
 tensor: one collective for each of the model's tensors, which on a small model costs more than the bytes
@@ -35,8 +36,8 @@ def gather_full_state_dict(model: nn.Module, is_main: bool) -> dict[str, Tensor]
             by_dtype[tensor.dtype].append(name)
         elif isinstance(tensor, DTensor):
             full[name] = tensor.full_tensor()
-        else:
-            full[name] = tensor
+        else:  # a copy, as the gathers make: an unsharded model's own tensor changes with its next update
+            full[name] = tensor.detach().to("cpu", copy=True)
     for dtype in sorted(by_dtype, key=str):  # the same order on every rank
         full.update(_gather_row_shards({name: state[name] for name in by_dtype[dtype]}))
     if not is_main:

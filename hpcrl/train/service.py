@@ -40,6 +40,7 @@ from hpcrl.train.weight_push import (
     join_weight_group,
     leave_weight_group,
     push_over_group,
+    push_to_disk,
     weight_specs,
 )
 
@@ -108,6 +109,7 @@ class TrainerService(EngineService):
             "join_weight_group": self.join_weight_group,
             "weight_specs": self.weight_specs,
             "push_weights": self.push_weights,
+            "export_for_servers": self.export_for_servers,
             "shutdown": self.shutdown,
         }
 
@@ -154,6 +156,11 @@ class TrainerService(EngineService):
 
     def push_weights(self, msg: PushWeights) -> Ack:
         push_over_group(self.engine, self.group, msg.dtype)
+        return Ack()
+
+    def export_for_servers(self, msg: ExportWeights) -> Ack:
+        """The disk weight sync's export: the weights alone, for ``/update_weights_from_disk`` (``push_to_disk``)."""
+        push_to_disk(self.engine, msg.path)
         return Ack()
 
     def shutdown(self, _: object = None) -> Ack:

@@ -10,8 +10,11 @@ In both, ``n`` is the new weight version the servers report in ``/model_info`` a
     controller, after every rank has returned:
                         await client.update_weights_from_disk(str(path), weight_version=n)
 
-  Nothing overlaps: rank 0 writes into a hidden sibling directory and renames it into place before any
-  rank returns, so a request sent too early fails (no weights there yet) instead of loading half a model.
+  The directory holds the weights only (one ``model.safetensors``): SGLang's loader, and the CPU server's,
+  read the ``*.safetensors`` files of ``model_path`` and nothing else there; the config and tokenizer stay
+  those the server started with. Nothing overlaps: rank 0 writes into a hidden sibling directory and renames
+  it into place before any rank returns, so a request sent too early fails (no weights there yet) instead of
+  loading half a model.
   Use a new directory per version: an existing one is replaced, perhaps under a server still reading it;
   delete old ones once every server has answered.
 
@@ -45,8 +48,9 @@ The group lives on the trainer side in the ``WeightGroup`` that ``join_weight_gr
 the caller keeps it beside its engine for the run and passes it to every ``push_over_group``.
 
 Order and names: ``weight_specs`` lists every tensor of the model's state dict under its Hugging Face
-name (what ``Engine.export_hf`` writes and what the server's model calls it), in state-dict order, except
-parameters tied to an earlier one (a tied ``lm_head.weight``: loading ties it to the embedding again).
+name (what ``Engine.export_hf`` and ``export_weights`` write and what the server's model calls it), in
+state-dict order, except parameters tied to an earlier one (a tied ``lm_head.weight``: loading ties it to
+the embedding again).
 ``push_over_group`` sends exactly these, in this order: the server receives by position.
 """
 
@@ -125,10 +129,11 @@ def weight_specs(engine: Engine, dtype: str | torch.dtype | None = None) -> list
 
 
 def push_to_disk(engine: Engine, out_dir: str | Path) -> Path:
-    """Write the weights in the Hugging Face layout to ``out_dir``; return the directory servers load. Collective."""
+    """Write the weights as one ``model.safetensors`` in ``out_dir`` (``Engine.export_weights``: no config or
+    tokenizer files, which ``/update_weights_from_disk`` never reads); the directory servers load. Collective."""
     start = time.monotonic()
-    path = engine.export_hf(out_dir)
-    logger.info("step %d written to %s for the servers in %.1f s", engine.step, path, time.monotonic() - start)
+    path = engine.export_weights(out_dir)
+    logger.info("step %d written to %s for the servers in %.1f ms", engine.step, path, 1e3 * (time.monotonic() - start))
     return path
 
 

@@ -1,4 +1,5 @@
-"""The order of a disk weight push: the export runs while generation goes on; the pause covers the load only."""
+"""The order of a weight push: a disk export runs while generation goes on, then one load call per server
+aborts and loads (no pause and continue around it); a distributed push pauses for its session."""
 
 import asyncio
 
@@ -15,7 +16,7 @@ class Calls:
     def _note(self, name: str) -> None:
         self.seen.append((name, self.resumed.is_set()))
 
-    async def export(self, path) -> None:
+    async def export_for_servers(self, path) -> None:
         self._note("export")
         path.mkdir(parents=True)
 
@@ -23,26 +24,54 @@ class Calls:
         assert mode == "abort"
         self._note("pause")
 
-    async def update_weights_from_disk(self, path: str, version: int) -> None:
-        self._note(f"load v{version}")
+    async def update_weights_from_disk(self, path: str, version: int, *, abort_all_requests: bool = False) -> None:
+        self._note(f"load v{version}" + (" aborting" if abort_all_requests else ""))
 
     async def resume(self) -> None:
         self._note("resume")
 
+    async def begin_weight_update(self) -> None:
+        self._note("begin")
 
-def test_a_disk_push_exports_before_the_pause_and_pauses_only_for_the_load(tmp_path):
-    async def push_twice() -> tuple[list, WeightSync]:
+    async def end_weight_update(self) -> None:
+        self._note("end")
+
+    async def push_weights(self, version: int, dtype: str) -> None:
+        self._note(f"broadcast v{version}")
+
+
+def test_a_disk_push_exports_while_generating_then_aborts_and_loads_in_one_call(tmp_path):
+    weights = tmp_path / "weights"
+    (weights / "v000000").mkdir(parents=True)  # an interrupted earlier run's export
+
+    async def push_twice() -> tuple[list, WeightSync, list[str]]:
         resumed = asyncio.Event()
         resumed.set()
         calls = Calls(resumed)
-        sync = WeightSync("disk", calls, calls, resumed, tmp_path / "weights")  # type: ignore[arg-type]
+        sync = WeightSync("disk", calls, calls, resumed, weights)  # type: ignore[arg-type]
         await sync.push(1)
         await sync.push(2)
         assert resumed.is_set(), "generation is open again after the push"
-        return calls.seen, sync
+        await sync.close()  # awaits the deletion of the older exports
+        return calls.seen, sync, sorted(p.name for p in weights.iterdir())
 
-    seen, sync = asyncio.run(push_twice())
-    one_push = [("export", True), ("pause", False), ("load v{}", False), ("resume", False)]
-    assert seen == [(name.format(v), open_) for v in (1, 2) for name, open_ in one_push]
-    assert sync.current == (str(tmp_path / "weights" / "v000002"), 2)
-    assert [p.name for p in (tmp_path / "weights").iterdir()] == ["v000002"], "the older export is deleted"
+    seen, sync, left = asyncio.run(push_twice())
+    one_push = [("export", True), ("load v{} aborting", False)]
+    assert seen == [(name.format(v), open_) for v in (1, 2) for name, open_ in one_push], seen
+    assert sync.current == (str(weights / "v000002"), 2)
+    assert left == ["v000002"], "the older exports are deleted, an earlier run's too"
+
+
+def test_a_distributed_push_pauses_for_its_session_and_resumes_after(tmp_path):
+    async def push() -> list:
+        resumed = asyncio.Event()
+        resumed.set()
+        calls = Calls(resumed)
+        sync = WeightSync("distributed", calls, calls, resumed, tmp_path / "weights")  # type: ignore[arg-type]
+        sync.buckets = []  # no tensors: the session's order is what is checked
+        await sync.push(3)
+        assert resumed.is_set()
+        return calls.seen
+
+    seen = asyncio.run(push())
+    assert seen == [("pause", False), ("begin", False), ("broadcast v3", False), ("end", False), ("resume", False)]

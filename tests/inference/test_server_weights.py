@@ -3,10 +3,13 @@
 This process plays trainer rank 0: it hosts the group's rendezvous (``host_store``), joins as rank 0 and
 broadcasts a second model's weights; the real ``InferenceClient`` (``tp_size=2``) drives the servers.
 Every rank of both servers joins (``rank_offset + tp_rank``), receives every tensor into a buffer of its
-own and checks it against its rank 0's; rank 0 loads them.
+own and checks it against its rank 0's; rank 0 loads them. At the end, ``/update_weights_from_disk`` against
+a float32 server: what the directory must hold, and an unpaused load with a request arriving meanwhile.
 """
 
 import asyncio
+import json
+import shutil
 import threading
 import time
 
@@ -193,3 +196,102 @@ def test_a_group_sized_one_rank_per_server_is_refused_not_hung(servers, group):
             await client.destroy_weights_update_group("missized")
 
     run(leave())
+
+
+# ---- from disk: what the directory must hold, and a load that holds new requests off -----------------------
+
+
+@pytest.fixture(scope="module")
+def disk_server(tiny_model, tmp_path_factory):
+    """A float32 server of its own: these tests change its weights."""
+    proc = ServerProc(tiny_model, tmp_path_factory.mktemp("disk-server") / "server.log")
+    yield proc
+    proc.stop()
+
+
+def _weights(server, names) -> dict[str, torch.Tensor]:
+    """The server's parameters, whole, through SGLang's /get_weights_by_name (float32 survives JSON exactly)."""
+    out = {}
+    for name in names:
+        status, rows = server.post("/get_weights_by_name", {"name": name, "truncate_size": 1 << 20})
+        assert status == 200, rows
+        out[name] = torch.tensor(rows, dtype=torch.float32)
+    return out
+
+
+def test_a_directory_without_the_weights_sglang_loads_is_refused_and_changes_nothing(
+    disk_server, tiny_model, tiny_model_b, tmp_path
+):
+    server = disk_server
+    names = [n for n in AutoModelForCausalLM.from_pretrained(tiny_model).state_dict() if n != "lm_head.weight"]
+    before = _weights(server, names)
+    version = server.get("/model_info")[1]["weight_version"]
+    no_weights = tmp_path / "config-and-tokenizer-only"
+    no_weights.mkdir()
+    for f in tiny_model.iterdir():
+        if not f.name.endswith(".safetensors"):
+            shutil.copy(f, no_weights / f.name)
+    half = tmp_path / "half-a-sharded-model"
+    half.mkdir()
+    shutil.copy(tiny_model_b / "model.safetensors", half / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (half / "model.safetensors.index.json").write_text(json.dumps(index))
+    refused = [
+        (no_weights, f"Failed to get weights iterator: Cannot find any model weights with `{no_weights}`."),
+        (
+            tmp_path / "absent",
+            f"Failed to get weights iterator: Cannot find any model weights with `{tmp_path}/absent`.",
+        ),
+        (half, "references 1 shard file(s) missing from"),
+    ]
+    for path, message in refused:
+        status, answer = server.post("/update_weights_from_disk", {"model_path": str(path), "weight_version": "9"})
+        assert status == 400 and not answer["success"] and message in answer["message"], answer
+    assert server.get("/model_info")[1]["weight_version"] == version
+    after = _weights(server, names)
+    assert all(torch.equal(before[n], after[n]) for n in names), "a refused load changed the weights"
+    # the weights file alone is enough, as for SGLang: no config or tokenizer file beside it
+    alone = tmp_path / "weights-only"
+    alone.mkdir()
+    shutil.copy(tiny_model_b / "model.safetensors", alone / "model.safetensors")
+    status, answer = server.post("/update_weights_from_disk", {"model_path": str(alone), "weight_version": "9"})
+    assert status == 200 and answer["success"], answer
+    expected = AutoModelForCausalLM.from_pretrained(tiny_model_b).state_dict()
+    loaded = _weights(server, names)
+    assert all(torch.equal(loaded[n], expected[n]) for n in names)
+
+
+def test_an_unpaused_load_holds_new_requests_off_and_is_not_refused_for_them(long_server):
+    """SGLang loads under its model-update lock: the running request ends on the old weights, one that comes
+    meanwhile waits and runs on the new ones, and the cache flush has nothing to refuse for."""
+    server = long_server
+    results: dict[str, tuple[int, object]] = {}
+    sent: dict[str, float] = {}
+
+    def post(key: str, path: str, body: dict) -> threading.Thread:
+        def send() -> None:
+            sent[key] = time.monotonic()
+            results[key] = server.post(path, body)
+            sent[key + " answered"] = time.monotonic()
+
+        thread = threading.Thread(target=send)
+        thread.start()
+        return thread
+
+    held = {"text": "1+1=", "rid": "held", "sampling_params": {"max_new_tokens": 800, "ignore_eos": True}}
+    threads = [post("held", "/generate", held)]
+    time.sleep(0.5)  # the request runs by then
+    update = {"model_path": str(server.model), "weight_version": "11"}
+    threads.append(post("update", "/update_weights_from_disk", update))
+    time.sleep(0.3)
+    later = {"text": "2+2=", "sampling_params": {"max_new_tokens": 3}}
+    threads.append(post("later", "/generate", later))
+    for thread in threads:
+        thread.join(120)
+    assert sent["later"] < sent["update answered"], "the held request ended before the later one was sent"
+    assert results["update"][0] == 200 and results["update"][1]["success"], results["update"]
+    status, answer = results["held"]
+    assert status == 200 and answer["meta_info"]["finish_reason"]["type"] == "length", answer
+    assert answer["meta_info"]["weight_version"] != "11", "the running request ends on the old weights"
+    status, answer = results["later"]
+    assert status == 200 and answer["meta_info"]["weight_version"] == "11", answer

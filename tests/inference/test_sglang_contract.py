@@ -103,7 +103,7 @@ class Trainers:
     async def push_weights(self, version: int, dtype: str) -> None:
         return None
 
-    async def export(self, path: Path) -> None:
+    async def export_for_servers(self, path: Path) -> None:
         path.mkdir(parents=True)
 
 

@@ -8,6 +8,7 @@ Server start and the torchrun launch take about 20 s together on 2 CPU cores, so
 import asyncio
 import json
 import sys
+import urllib.request
 
 import pytest
 import torch
@@ -17,10 +18,13 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from hpcrl.config.schema import InferenceConfig, TrainConfig
+from hpcrl.inference.client import InferenceClient
 from hpcrl.inference.serve import start_server, stop_servers, wait_ready
+from hpcrl.train import engine as engine_module
+from hpcrl.train.batch import Sequence
 from hpcrl.train.dist import init_distributed
 from hpcrl.train.engine import Engine
-from hpcrl.train.weight_push import host_weight_group, join_weight_group, push_over_group, weight_specs
+from hpcrl.train.weight_push import host_weight_group, join_weight_group, push_over_group, push_to_disk, weight_specs
 from tests.conftest import REPO, run_torchrun
 from tests.inference.conftest import free_port
 
@@ -29,14 +33,17 @@ TIMEOUT_S = 240  # the script's collectives time out after 120 s, so a hang fail
 LOGPROB_TOLERANCE = 1e-4
 
 
-# ---- weight_specs, in this process (a 1-rank gloo group, still FSDP2-sharded) ------------------------
+# ---- weight_specs, in this process (a 1-rank gloo group, FSDP2-sharded as many ranks are) ---------------
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
     created = not dist.is_initialized()
     engine = Engine(tiny_model, TrainConfig(micro_batch_tokens=64), dist=init_distributed())
-    engine.setup()
+    with pytest.MonkeyPatch.context() as patch:  # one float32 rank alone would train the plain model
+        patch.setattr(engine_module, "_shards", lambda world_size, mp_policy: True)
+        engine.setup()
+    assert isinstance(engine.model.get_input_embeddings().weight, DTensor)
     yield engine
     if created:
         dist.destroy_process_group()
@@ -139,7 +146,46 @@ def _check_push(phase: dict, version: str) -> None:
 
 
 def test_push_to_disk_reloads_the_server(pushed):
-    _check_push(pushed[0]["disk"], "1")
+    disk = pushed[0]["disk"]
+    _check_push(disk, "1")
+    assert disk["pushed_files"] == ["model.safetensors"], "the sync writes the weights alone, no tokenizer or config"
+    assert disk["pushed_is_the_export"], "the pushed tensors are export_hf's, bit for bit"
+
+
+def test_several_disk_pushes_leave_the_servers_weights_the_trainers_bit_for_bit(engine, server, tmp_path):
+    """In this process (1 rank: the gathered tensors are views of one buffer), three train-push-load rounds;
+    after each, every parameter the server holds equals the trainer's, read back through /get_weights_by_name."""
+    from hpcrl.models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(engine.model_path)
+    ids = tok("3+4=7")["input_ids"]
+    batch = [Sequence(ids, [0, 0, 0, 0] + [1] * (len(ids) - 4), advantage=1.0)]
+    for version in (1, 2, 3):
+        engine.train_step(batch, _sft_loss)
+        path = push_to_disk(engine, tmp_path / f"v{version}")
+        assert sorted(p.name for p in path.iterdir()) == ["model.safetensors"], "the weights alone, every push"
+        asyncio.run(_load(server.address, path, version))
+        trainer = {n: t for n, t in engine.full_state_dict().items() if n != "lm_head.weight"}
+        for name, tensor in trainer.items():
+            held = torch.tensor(_post(server.address, "/get_weights_by_name", {"name": name, "truncate_size": 1 << 20}))
+            assert torch.equal(held, tensor), f"push {version}: the server's {name} is not the trainer's"
+    assert _post(server.address, "/model_info", None)["weight_version"] == "3"
+
+
+def _sft_loss(logprobs, mb, norm):
+    return -(mb.advantages[:, None] * logprobs * mb.loss_mask).sum() / norm.tokens, {}
+
+
+async def _load(address: str, path, version: int) -> None:
+    async with InferenceClient([address], request_timeout_s=60) as client:
+        await client.update_weights_from_disk(str(path), version, abort_all_requests=True)
+
+
+def _post(address: str, path: str, body):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://{address}{path}", data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
 
 
 def test_push_over_group_reaches_the_server(pushed):

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 
+from hpcrl.cores import usable_cores
 from hpcrl.inference.openai.chat import TOOL_PARSERS, resolve_template
 from hpcrl.logs import setup_logging
 
@@ -21,6 +22,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-wait-ms", type=float, default=2.0, help="how long a request waits for batch mates")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int, default=0, help="seed of the sampler")
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=0,
+        help="torch's intra-op threads for the model; 0 = this process's cores less one (the HTTP loop's), at least 1",
+    )
     p.add_argument("--weight-version", default="default", help="weight_version reported until the first update")
     p.add_argument(
         "--tp-size",
@@ -41,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.tp_size < 1:
         p.error(f"--tp-size must be >= 1, got {args.tp_size}")
+    if args.torch_threads < 0:
+        p.error(f"--torch-threads must be >= 0 (0 = cores less one), got {args.torch_threads}")
     if args.context_length < 0:
         p.error(f"--context-length must be >= 0, got {args.context_length}")
     try:
@@ -55,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("server", args.rank)
     from aiohttp import web
 
+    from hpcrl.gc_freeze import freeze_startup_heap
     from hpcrl.inference.context import context_length
     from hpcrl.inference.openai.chat import ChatFormat
     from hpcrl.inference.server.app import Server
@@ -64,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     from hpcrl.inference.server.weights import WeightUpdates
 
     tp = TpRanks(args.tp_size)  # first: the children import torch while this process loads the model
+    threads = set_torch_threads(args.torch_threads)
     runner = ModelRunner(args.model_path, args.dtype, args.seed)
     scheduler = Scheduler(runner, args.max_running_requests, args.batch_wait_ms)
     scheduler.weight_version = args.weight_version
@@ -79,14 +90,28 @@ def main(argv: list[str] | None = None) -> None:
         served_model_name=args.served_model_name,
     )
     log.info(
-        "serving %s on %s port %d (tp_size %d, context length %d)",
+        "serving %s on %s port %d (tp_size %d, context length %d, torch threads %d)",
         args.model_path,
         args.host,
         args.port,
         args.tp_size,
         context,
+        threads,
     )
-    web.run_app(server.app(), host=args.host, port=args.port, print=None, access_log=None)
+    app = server.app()
+    freeze_startup_heap("server")  # the model is loaded; what requests allocate is collected as before
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+
+
+def set_torch_threads(requested: int) -> int:
+    """Set torch's intra-op threads: ``requested``, or with 0 this process's cores less the one the HTTP loop
+    needs. On a small machine every torch thread beyond the free cores spin-waits against the loop answering
+    requests (2 threads on 2 shared cores made a step of 512 short requests several times slower than 1)."""
+    import torch
+
+    threads = requested or max(1, usable_cores() - 1)
+    torch.set_num_threads(threads)
+    return threads
 
 
 if __name__ == "__main__":

@@ -49,23 +49,39 @@ class ModelRunner:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
         # transformers 5 renamed the forward's past_key_values to cache; 4.x (SGLang's pins) knows only the old name
-        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        forward_args = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in forward_args else "past_key_values"
+        # the prefill needs the logits of the last position only: not [B, L, vocab] of them
+        self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in forward_args else {}
         log.info("loaded %s (%s, vocab %d, eos %s)", model_path, dtype, self.vocab_size, sorted(self.eos_ids))
 
     @torch.inference_mode()
     def prefill(self, seq_ids: list[int], prompts: list[list[int]], sampler: BatchSampler) -> BatchState:
+        """One forward over the batch's distinct prompts (a GRPO group sends one prompt ``n`` times: it is
+        computed once, as SGLang's prefix cache would), its KV cache and last logits then copied to every row
+        that asked for it; each row samples its own first token."""
         from transformers import DynamicCache
 
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
+        first_row: dict[tuple[int, ...], int] = {}
+        rows = [first_row.setdefault(tuple(p), len(first_row)) for p in prompts]
+        distinct = [list(p) for p in first_row]
+        width = max(len(p) for p in distinct)
+        ids = torch.full((len(distinct), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(distinct), width), dtype=torch.long)
+        for row, prompt in enumerate(distinct):
             ids[row, width - len(prompt) :] = torch.tensor(prompt)
             mask[row, width - len(prompt) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **{self._cache_kw: cache})
-        tokens, logprobs = sampler.sample(out.logits[:, -1], self.generator)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, **{self._cache_kw: cache}, **self._last_only
+        )
+        logits = out.logits[:, -1]
+        if len(distinct) < len(prompts):
+            index = torch.tensor(rows, dtype=torch.long)
+            cache.batch_select_indices(index)
+            logits, mask, positions = logits[index], mask[index], positions[index]
+        tokens, logprobs = sampler.sample(logits, self.generator)
         return BatchState(seq_ids, mask, positions[:, -1], cache, sampler, tokens, logprobs)
 
     @torch.inference_mode()

@@ -16,6 +16,7 @@ without a seed draw from the server's generator.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -47,8 +48,8 @@ class SamplingParams:
             return cls()
         if not isinstance(data, dict):
             raise RequestError(f"{where} must be an object, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        known = _field_names(cls)
+        unknown = sorted(data.keys() - known)
         if unknown:
             raise RequestError(f"{where}: unsupported field(s) {unknown}; hpcrl's CPU server supports {sorted(known)}")
         params = cls(**data)
@@ -70,6 +71,11 @@ class SamplingParams:
         seed = self.sampling_seed
         ok = seed is None or (_is_int(seed) and -(2**63) <= seed < 2**63)
         _need(ok, where, "sampling_seed", "an integer in [-2**63, 2**63 - 1]")
+
+
+@functools.cache
+def _field_names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in fields(cls))
 
 
 def _is_int(x: Any) -> bool:

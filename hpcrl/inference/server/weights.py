@@ -18,7 +18,9 @@ and the largest call on each rank, the memory a GPU server would need on top of 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +44,7 @@ from hpcrl.inference.weight_group import (
 
 log = logging.getLogger(__name__)
 
+SAFE_WEIGHTS_INDEX = "model.safetensors.index.json"
 NOT_FLUSHED = (
     "Weights were updated, but the cache was not flushed because requests are still running or queued. "
     "Retract or finish them, then call /flush_cache."
@@ -84,8 +87,18 @@ class WeightUpdates:
         }
 
     async def update_from_disk(self, request: web.Request) -> web.Response:
+        """Load ``model_path``'s ``*.safetensors`` (only those: SGLang's loader reads no config or tokenizer file
+        there). Unpaused, SGLang loads under its model-update lock, a writer-preferring lock every request holds
+        from its tokenizing to its answer: the load waits for the running requests (``abort_all_requests`` ends
+        them first) and holds new ones until it is done, so its scheduler is empty at the cache flush and the
+        flush is never refused. Here the requests that arrive meanwhile wait in the queue (no batch starts
+        while an update waits) and run after it, on the new weights; they do not count against the flush."""
         body = await read_body(request, requests.DISK)
         path = field(body, "model_path", str)
+        missing = missing_weights(path)
+        if missing:
+            return answer(False, f"Failed to get weights iterator: {missing}.", num_paused_requests=0)
+        locked = self.scheduler.pause_mode is None  # SGLang's update takes the model-update lock when unpaused
         if body.get("abort_all_requests"):
             self.scheduler.abort()
         try:
@@ -93,7 +106,7 @@ class WeightUpdates:
         except (OSError, KeyError, ValueError) as e:
             return answer(False, f"Failed to update model weights from {path}: {e}", num_paused_requests=0)
         log.info("loaded weights version %s from %s", self.scheduler.weight_version, path)
-        return self._after_update(body, "Succeeded to update model weights.", num_paused_requests=0)
+        return self._after_update(body, "Succeeded to update model weights.", locked=locked, num_paused_requests=0)
 
     async def init_group(self, request: web.Request) -> web.Response:
         body = await read_body(request, requests.INIT_GROUP)
@@ -251,8 +264,9 @@ class WeightUpdates:
                     return {}, f"tp rank {k} received other bytes than tp rank 0 for {differ[:5]}"
         return tensors, ""
 
-    def _after_update(self, body: dict[str, Any], message: str, **extra: Any) -> web.Response:
-        if body.get("flush_cache", True) and not self.scheduler.idle():
+    def _after_update(self, body: dict[str, Any], message: str, *, locked: bool = False, **extra: Any) -> web.Response:
+        """The answer after a load; ``locked``: SGLang held every request off during it (see update_from_disk)."""
+        if body.get("flush_cache", True) and not locked and not self.scheduler.idle():
             return answer(False, NOT_FLUSHED, **extra)
         version = body.get("weight_version")
         if version is not None:
@@ -264,6 +278,28 @@ def answer(success: bool, message: str, **extra: Any) -> web.Response:
     if not success:
         log.warning("%s", message)
     return web.json_response({"success": success, "message": message, **extra}, status=200 if success else 400)
+
+
+def missing_weights(path: str) -> str:
+    """Why SGLang's loader would find no weights to load in ``path`` ("" when it would): no directory (SGLang
+    would look for a model of that name on the Hugging Face hub), no ``*.safetensors`` file, or an index
+    (``model.safetensors.index.json``) naming shard files that are not there."""
+    folder = Path(path)
+    if not folder.is_dir() or not any(folder.glob("*.safetensors")):
+        return f"Cannot find any model weights with `{path}`"
+    index = folder / SAFE_WEIGHTS_INDEX
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            return f"{SAFE_WEIGHTS_INDEX} in {path} cannot be read: {e}"
+        absent = sorted(name for name in shards if not (folder / name).is_file())
+        if absent:
+            return (
+                f"{SAFE_WEIGHTS_INDEX} references {len(absent)} shard file(s) missing from {path} "
+                f"(incomplete download?): {absent}"
+            )
+    return ""
 
 
 def field(body: dict[str, Any], name: str, kind: type) -> Any:

@@ -6,7 +6,9 @@ Rank 0 plays the controller too (``InferenceClient`` calls, run in a helper thre
 the collectives). Each phase first trains a few steps towards its own completion, so the server's weights
 are stale, then pushes:
 
-- ``disk``: ``push_to_disk`` -> ``/update_weights_from_disk`` with weight_version 1.
+- ``disk``: ``push_to_disk`` -> ``/update_weights_from_disk`` with weight_version 1; then ``export_hf`` of the
+  same weights, the Hugging Face directory transformers loads for the comparison (the push writes the weights
+  alone), and whether the pushed tensors are that export's, bit for bit.
 - ``group``: rank 0 hosts the group (``host_weight_group``, on GROUP_PORT of this node), then
   ``/init_weights_update_group`` beside ``join_weight_group``, then a session: ``/begin_weight_update``,
   one ``/update_weights_from_distributed`` (version 2) per bucket of at most BUCKET_BYTES beside
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 from hpcrl.config.schema import TrainConfig
 from hpcrl.inference.client import InferenceClient
@@ -126,14 +129,18 @@ def disk_phase(engine: Engine, tok, address: str, out: Path, info: DistInfo) -> 
     train(engine, tok, TARGETS["disk"], info)
     start = time.monotonic()
     path = push_to_disk(engine, out / "pushed_disk")
+    if info.is_main:
+        call(address, lambda c: c.update_weights_from_disk(str(path), weight_version=1))
+    seconds = time.monotonic() - start
+    full = engine.export_hf(out / "trainer_after_disk")  # the same weights with config and tokenizer, to compare
     if not info.is_main:
         return {}
-    call(address, lambda c: c.update_weights_from_disk(str(path), weight_version=1))
-    seconds = time.monotonic() - start
     after, logprobs, version = server_greedy(address, tok)
-    return {"before": before, "after": after, "version": version, "seconds": seconds} | reference(
-        path, tok, after, logprobs
-    )
+    pushed, exported = load_file(path / "model.safetensors"), load_file(full / "model.safetensors")
+    same = pushed.keys() == exported.keys() and all(torch.equal(pushed[k], exported[k]) for k in pushed)
+    phase = {"before": before, "after": after, "version": version, "seconds": seconds}
+    phase |= {"pushed_files": sorted(p.name for p in path.iterdir()), "pushed_is_the_export": same}
+    return phase | reference(full, tok, after, logprobs)
 
 
 def forward(engine: Engine, tok) -> None:
@@ -194,7 +201,7 @@ def group_phase(engine: Engine, tok, address: str, port: int, out: Path, info: D
         "specs": specs,
         "calls": len(calls),
         # the same measure against the weights the server held before: shows the gap above is no accident
-        "stale_logprob_gap": reference(out / "pushed_disk", tok, after, logprobs)["max_logprob_gap"],
+        "stale_logprob_gap": reference(out / "trainer_after_disk", tok, after, logprobs)["max_logprob_gap"],
     } | reference(path, tok, after, logprobs)
 
 
