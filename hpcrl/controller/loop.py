@@ -3,10 +3,10 @@
 Waits: the loop waits on the rollout executor for a batch of accepted groups (the oldest-started ones: see
 ``hpcrl/rollout/executor.py``), then on the trainers (every rank, one RPC each: the proximal logprobs once for
 decoupled PPO and, with a critic, its values of the batch, both at once; then ``algorithm.updates_per_batch``
-updates, the critic's beside the actor's), then on the weight sync (servers paused, weights
-pushed, resumed). A watchdog checks every second that every worker process is alive; if one dies, the loop is
-cancelled and the watchdog's error (naming the worker) is raised. A restarted server's rejoin runs as a task
-of its own, so the watchdog never waits on a reload.
+updates, the critic's beside the actor's), then on the weight sync (in-flight requests aborted, weights loaded,
+generation resumed: ``weights.py``). A watchdog checks every second that every worker process is alive; if one
+dies, the loop is cancelled and the watchdog's error (naming the worker) is raised. A restarted server's rejoin
+runs as a task of its own, so the watchdog never waits on a reload.
 
 Checkpoints and resuming (``recovery.py``): every ``checkpoint.every_steps`` steps, after the step's eval, the
 loop takes the controller's state and has the trainers write theirs (then the critic its own, in the step
@@ -22,13 +22,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hpcrl.config.schema import Config
+from hpcrl.config.schema import AlgorithmConfig, Config
 from hpcrl.controller.batch import apply_gae, rollout_stats, shard, to_sequences
 from hpcrl.controller.evaluate import greedy_accuracy
 from hpcrl.controller.metrics import MetricsLog
@@ -239,7 +240,7 @@ class Loop:
         t1 = time.monotonic()
         metrics: dict[str, Any] = rollout_stats(groups, version)
         rewards = [sample.reward for group in groups for sample in group.samples]  # to_sequences' order
-        results = await self._train_on(to_sequences(groups, cfg.algorithm), rewards, metrics)
+        results = await self._train_on(to_sequences(groups, cfg.algorithm), rewards, metrics, step)
         t2 = time.monotonic()
         await self._push(sync, step)
         executor.set_version(step)
@@ -260,10 +261,11 @@ class Loop:
         return metrics
 
     async def _train_on(
-        self, sequences: list[SequenceData], rewards: list[float], metrics: dict[str, Any]
+        self, sequences: list[SequenceData], rewards: list[float], metrics: dict[str, Any], step: int
     ) -> list[dict[str, float]]:
-        """``algorithm.updates_per_batch`` optimizer updates, each on its own disjoint part of the batch; with a
-        critic, its update on the same part at the same time (its metrics prefixed ``critic_``).
+        """``algorithm.updates_per_batch`` optimizer updates, each on its own disjoint part of the batch
+        (``_minibatches``); with a critic, its update on the same part at the same time (its metrics prefixed
+        ``critic_``).
 
         First, at once: decoupled PPO's proximal logprobs (the policy before this step's first update, taken once
         for the whole batch, so every part's ratio is against the same policy) and the critic's values, from which
@@ -271,7 +273,7 @@ class Loop:
         trainers, critics = self.w.trainers, self.w.critics
         await asyncio.gather(self._proximal(sequences), self._gae(sequences, rewards, metrics))
         results = []
-        for chunk in _split(sequences, self.cfg.algorithm.updates_per_batch):
+        for chunk in _minibatches(sequences, self.cfg.algorithm, derive_seed(self.cfg.run.seed, "minibatches", step)):
             if critics is None:
                 results.append(await trainers.train_step(shard(chunk, trainers.world_size)))
                 continue
@@ -461,8 +463,14 @@ def _check_with_critic(path) -> str | None:
     return problem or (f"the critic's part: {critic}" if critic else None)
 
 
-def _split(items: list, parts: int) -> list[list]:
-    size = -(-len(items) // parts)
+def _minibatches(items: list, algorithm: AlgorithmConfig, seed: int | None) -> list[list]:
+    """``algorithm.updates_per_batch`` disjoint, contiguous parts of ``items`` (whole groups, in batch order); with
+    ``algorithm.shuffle_minibatches``, parts of a copy shuffled by ``seed`` instead (a sample's group mates may land
+    in other parts), as TRL splits its generation batch and PPO implementations draw their minibatches."""
+    if algorithm.shuffle_minibatches:
+        items = list(items)
+        random.Random(seed).shuffle(items)
+    size = -(-len(items) // algorithm.updates_per_batch)
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 

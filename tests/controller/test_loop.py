@@ -53,7 +53,7 @@ def test_decoupled_ppo_takes_the_proximal_policy_once_before_the_first_update(tm
     cfg.algorithm = replace(cfg.algorithm, behavior_weight_cap=5.0, updates_per_batch=2)
     trainers = PolicyTrainers()
     loop = make_loop(tmp_path, cfg, trainers=trainers)
-    asyncio.run(loop._train_on([sequence(n) for n in (3, 4, 5, 6)], [1.0] * 4, {}))
+    asyncio.run(loop._train_on([sequence(n) for n in (3, 4, 5, 6)], [1.0] * 4, {}, step=1))
     assert trainers.updates == 2, "two disjoint parts of the batch, one update each"
     first, second = trainers.prox_seen
     assert set(first) == {-1.0}, "the policy before the first update"
@@ -64,7 +64,7 @@ def test_decoupled_ppo_takes_the_proximal_policy_once_before_the_first_update(tm
 def test_without_the_decoupled_objective_no_proximal_logprobs_are_taken(tmp_path):
     trainers = PolicyTrainers()
     trainers.train_step = _record_none(trainers)
-    asyncio.run(make_loop(tmp_path, trainers=trainers)._train_on([sequence(3), sequence(4)], [1.0, 1.0], {}))
+    asyncio.run(make_loop(tmp_path, trainers=trainers)._train_on([sequence(3), sequence(4)], [1.0, 1.0], {}, step=1))
     assert trainers.prox_seen == [[None], [None]]
 
 
@@ -74,6 +74,42 @@ def _record_none(trainers):
         return {"loss": 0.0}
 
     return train_step
+
+
+# ---------------------------------------------------------------- the minibatches of a step
+
+
+class MinibatchTrainers:
+    """Records, per update, which sequences it got (a sequence's advantage is its index in the batch)."""
+
+    world_size = 2
+
+    def __init__(self):
+        self.parts: list[list[int]] = []
+
+    async def train_step(self, shards):
+        self.parts.append(sorted(int(s.advantage) for part in shards for s in part))
+        return {"loss": 0.0}
+
+
+def minibatches(tmp_path, step: int, **algorithm) -> list[list[int]]:
+    cfg = Config()
+    cfg.algorithm = replace(cfg.algorithm, updates_per_batch=4, **algorithm)
+    trainers = MinibatchTrainers()
+    batch = [replace(sequence(3), advantage=float(i)) for i in range(32)]  # 4 groups of 8, in batch order
+    asyncio.run(make_loop(tmp_path / str(step), cfg, trainers=trainers)._train_on(batch, [0.0] * 32, {}, step))
+    return trainers.parts
+
+
+def test_minibatches_are_whole_groups_in_batch_order_unless_shuffled(tmp_path):
+    assert minibatches(tmp_path, 1) == [list(range(i, i + 8)) for i in range(0, 32, 8)]
+    shuffled = minibatches(tmp_path, 1, shuffle_minibatches=True)
+    assert sorted(i for part in shuffled for i in part) == list(range(32)), "disjoint, and every sample once"
+    assert [len(part) for part in shuffled] == [8] * 4
+    assert all(part != list(range(part[0], part[0] + 8)) for part in shuffled), "samples, not whole groups"
+    # seeded by run.seed and the step: a resumed run splits a step's batch as the first run did
+    assert minibatches(tmp_path, 1, shuffle_minibatches=True) == shuffled
+    assert minibatches(tmp_path, 2, shuffle_minibatches=True) != shuffled
 
 
 # ---------------------------------------------------------------- a step's record before its checkpoint
