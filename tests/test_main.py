@@ -15,7 +15,7 @@ def test_dry_run_prints_and_writes_the_validated_config(main_cli, tmp_path):
     printed = yaml.safe_load(result.stdout)
     assert printed["allocation"]["trainer"] == {
         "backend": "fsdp",
-        "workers": 2,
+        "workers": 1,
         "gpus_per_worker": 0,
         "tp_size": 1,
         "nodes": 1,
@@ -89,4 +89,4 @@ def test_the_run_directory_config_loads_back_without_hydra(main_cli, tmp_path):
 
     assert main_cli("run.trial=reload", "algorithm=dapo", "run.dry_run=true").returncode == 0
     cfg = load_run_config(tmp_path / "default" / "reload" / "config.yaml")
-    assert cfg.algorithm.name == "dapo" and cfg.allocation.trainer.workers == 2 and cfg.run.trial == "reload"
+    assert cfg.algorithm.name == "dapo" and cfg.allocation.trainer.workers == 1 and cfg.run.trial == "reload"

@@ -60,7 +60,7 @@ class NetConfig:
 @dataclass
 class RoleResources:
     setup_timeout_s: float = 600.0  # seconds every worker of the role gets to become ready, from its job's start
-    cpus_per_worker: int = 1  # CPU cores per worker (Slurm --cpus-per-task)
+    cpus_per_worker: int = 1  # CPU cores per worker (Slurm --cpus-per-task); on Slurm a trainer/critic rank's threads
     mem_gb: float = 0.0  # memory per node in GiB; 0 = the scheduler's default
     partition: str = ""  # Slurm partition for this role; "" = cluster.partition
     account: str | None = None  # Slurm account for this role; null = cluster.account, "" = the user's default
@@ -148,6 +148,7 @@ class AlgorithmConfig:
     behavior_weight_cap: float = 0.0  # decoupled objective: cap on the behaviour importance weight; 0 = off
     std_eps: float = 1e-6  # added to the group's reward std before dividing
     updates_per_batch: int = 2  # the batch is split in this many disjoint minibatches, one optimizer update each
+    shuffle_minibatches: bool = False  # minibatches of samples drawn at random (seeded), not of whole groups in order
     gamma: float = 1.0  # advantage=gae: discount per response token
     lam: float = 0.95  # advantage=gae: GAE's lambda (1 = Monte Carlo returns minus values, 0 = one-step TD error)
     value_clip: float = 0.2  # advantage=gae: the critic's values move at most this far per update; 0 = no clipping

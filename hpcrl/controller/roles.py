@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 
 from hpcrl.config.schema import Config, RoleAllocation, RoleResources
+from hpcrl.cores import usable_cores
 from hpcrl.launch.base import RoleSpec
 
 
@@ -28,8 +29,8 @@ def server_spec(cfg: Config) -> RoleSpec:
 
 
 def trainer_spec(cfg: Config) -> RoleSpec:
-    # one torchrun per node; a thread per rank is all 2-core CI machines and CPU ranks can use
-    return _role_spec(cfg, "trainer", "hpcrl.train.worker", torchrun=True, env={"OMP_NUM_THREADS": "1"})
+    env = {"OMP_NUM_THREADS": str(rank_threads(cfg, "trainer"))}
+    return _role_spec(cfg, "trainer", "hpcrl.train.worker", torchrun=True, env=env)
 
 
 def critic_specs(cfg: Config) -> list[RoleSpec]:
@@ -38,8 +39,20 @@ def critic_specs(cfg: Config) -> list[RoleSpec]:
     trainer's."""
     if not cfg.allocation.critic.workers:
         return []
-    env = {"OMP_NUM_THREADS": "1"}
+    env = {"OMP_NUM_THREADS": str(rank_threads(cfg, "critic"))}
     return [_role_spec(cfg, "critic", "hpcrl.train.worker", torchrun=True, env=env, args=["--role", "critic"])]
+
+
+def rank_threads(cfg: Config, role: str) -> int:
+    """Torch threads (``OMP_NUM_THREADS``) of each trainer or critic rank. On Slurm: the role's
+    ``cpus_per_worker``, the cores its job asks for each rank. On a local cluster: this machine's cores shared
+    among the run's trainer and critic ranks, which update at the same time (one CPU rank of the default job gets
+    both cores of a 2-core machine; a thread beyond the free cores only spin-waits). ``OMP_NUM_THREADS`` in
+    ``cluster.env`` or the role's ``env`` wins over both."""
+    if cfg.cluster.kind != "local":
+        return _resources(cfg, role).cpus_per_worker
+    ranks = cfg.allocation.trainer.workers + cfg.allocation.critic.workers
+    return max(1, usable_cores() // max(1, ranks))
 
 
 def rollout_specs(cfg: Config) -> list[RoleSpec]:
@@ -56,7 +69,7 @@ def rollout_specs(cfg: Config) -> list[RoleSpec]:
 def _role_spec(
     cfg: Config, role: str, module: str, torchrun: bool = False, env: dict | None = None, args: list[str] | None = None
 ) -> RoleSpec:
-    res = cfg.cluster.roles.get(role) or _default_resources(cfg, role)
+    res = _resources(cfg, role)
     alloc = getattr(cfg.allocation, role, None) or RoleAllocation(
         "cpu", cfg.rollout.workers, gpus_per_worker=0, nodes=1
     )
@@ -72,6 +85,10 @@ def _role_spec(
         setup_timeout_s=res.setup_timeout_s,
         resources=res,  # Slurm's settings (partition, time, sbatch lines, ...): the critic's may be the trainer's
     )
+
+
+def _resources(cfg: Config, role: str) -> RoleResources:
+    return cfg.cluster.roles.get(role) or _default_resources(cfg, role)
 
 
 def _default_resources(cfg: Config, role: str) -> RoleResources:

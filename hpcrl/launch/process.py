@@ -1,6 +1,7 @@
 """The one way hpcrl starts and ends a child process.
 
-``spawn`` runs an argv list (never a shell string) in its own session, so the child leads its own
+``spawn`` runs an argv list (never a shell string; a fixed ``sh`` that ignores SIGUSR2 execs it in the same
+process, ``IGNORE_USR2``) in its own session, so the child leads its own
 process group and a Ctrl-C at the terminal reaches only this process, which then stops its children
 itself. stdin is ``/dev/null``; stdout and stderr are appended to one log file.
 
@@ -32,9 +33,11 @@ that calls ``setsid`` and whose parent has died is out of reach of both the tree
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import threading
@@ -137,10 +140,11 @@ def spawn(
     env: Mapping[str, str] | None = None,
     cwd: str | Path | None = None,
 ) -> Child:
-    """Start ``cmd`` as a child in a new session, its output appended to ``log_file``.
+    """Start ``cmd`` as a child in a new session, its output appended to ``log_file``, ignoring SIGUSR2.
 
     The child's environment is ``os.environ`` updated with ``env``; values travel through the process
-    environment untouched (no shell, no quoting, no expansion).
+    environment untouched (no quoting, no expansion: ``IGNORE_USR2``'s shell passes them on as they are). A
+    program that is not there raises here, as ``subprocess.Popen`` would.
     """
     argv = [str(part) for part in cmd]
     if not argv:
@@ -154,19 +158,23 @@ def spawn(
 
     log_file = Path(log_file)
     log_file.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        program = _executable(argv[0], {**os.environ, **env}, cwd)
+    except OSError as e:
+        e.add_note(f"while starting {name}: {shlex.join(argv)} (cwd: {cwd or os.getcwd()})")
+        raise
     with open(log_file, "ab") as out:
         out.write(f"--- hpcrl: starting {name} at {time.strftime('%Y-%m-%d %H:%M:%S')}: {shlex.join(argv)}\n".encode())
         out.flush()
         try:
             popen = subprocess.Popen(
-                argv,
+                [*IGNORE_USR2, program, *argv[1:]],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **env},
                 cwd=cwd,
                 start_new_session=True,
-                preexec_fn=ignore_job_warning,
             )
         except OSError as e:
             e.add_note(f"while starting {name}: {shlex.join(argv)} (cwd: {cwd or os.getcwd()})")
@@ -181,14 +189,28 @@ def spawn(
     return child
 
 
-def ignore_job_warning() -> None:
-    """In the child before exec: ignore SIGUSR2, which stays ignored across exec and in its children.
+# A shell that ignores SIGUSR2 and execs the command (same PID); the signal stays ignored across exec and in the
+# command's children. Slurm sends its preemption and time-limit warning (--signal=USR2@N) to every process of a
+# job step; only the controller acts on it (checkpoint, then requeue: hpcrl/controller/preempt.py), and a worker
+# killed by it would fail the run first. Not a preexec_fn: Python code between fork and exec is unsafe in a parent
+# with threads (a forked child of a threaded test segfaulted there), and every parent here has threads.
+IGNORE_USR2 = ["/bin/sh", "-c", 'trap "" USR2; exec "$@"', "sh"]  # then the command to exec
 
-    Slurm sends its preemption and time-limit warning (``--signal=USR2@N``) to every process of a job step;
-    only the controller acts on it (checkpoint, then requeue: hpcrl/controller/preempt.py), and a worker
-    killed by it would fail the run first.
-    """
-    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+def _executable(program: str, env: Mapping[str, str], cwd: str | Path | None) -> str:
+    """``program`` as exec finds it: a path (relative to ``cwd``) as it is, a name on ``env``'s PATH. Raises what
+    exec would, before the shell is started, where a missing program would only be a late exit 127."""
+    if os.sep in program:
+        path = Path(cwd or ".") / program
+        if not path.exists():
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
+        if path.is_dir() or not os.access(path, os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), program)
+        return program
+    found = shutil.which(program, path=env.get("PATH", os.defpath))
+    if found is None:
+        raise FileNotFoundError(errno.ENOENT, f"{os.strerror(errno.ENOENT)} on PATH", program)
+    return found
 
 
 def stop_all(children: Iterable[Child], grace_s: float = 10.0) -> None:

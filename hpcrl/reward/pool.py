@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcrl.launch.process import Child, ignore_job_warning, stop_all
+from hpcrl.launch.process import IGNORE_USR2, Child, stop_all
 from hpcrl.reward.outcome import RewardOutcome
 from hpcrl.reward.registry import resolve, runs_in_process
 from hpcrl.reward.worker import score_one
@@ -274,7 +274,9 @@ class _Worker:
 
     def spawn(self) -> None:
         self.forget()
-        cmd = [sys.executable, "-m", "hpcrl.reward.worker", self.spec, str(self.index)]
+        # SIGUSR2 (Slurm's warning) is the controller's to act on: ignored by a shell that then execs the worker,
+        # as every child of process.spawn is (IGNORE_USR2 says why not a preexec_fn)
+        cmd = [*IGNORE_USR2, sys.executable, "-m", "hpcrl.reward.worker", self.spec, str(self.index)]
         # Workers import what this process can import: the same sys.path, "" meaning our cwd.
         path = os.pathsep.join(p or os.getcwd() for p in sys.path)
         popen = subprocess.Popen(
@@ -284,7 +286,6 @@ class _Worker:
             env={**os.environ, "PYTHONPATH": path},
             start_new_session=True,
             bufsize=0,
-            preexec_fn=ignore_job_warning,  # Slurm's USR2 is the controller's to act on
         )
         # stderr is this process's own (a worker's log lines carry [reward:INDEX]), so no log file
         self.child = Child(f"reward worker {self.index}", popen, Path(os.devnull))

@@ -112,27 +112,30 @@ def check_optional_fields(sequences: list[Sequence]) -> None:
             )
 
 
+def _padded(rows: list[list], width: int, fill: float) -> list[list]:
+    return [[*row, *([fill] * (width - len(row)))] for row in rows]
+
+
 def collate(sequences: list[Sequence], pad_id: int, device: torch.device) -> MicroBatch:
-    """Right-pad ``sequences`` into a ``MicroBatch`` (per-token fields shifted to ``[B, T-1]``)."""
-    batch, width = len(sequences), max(len(s.input_ids) for s in sequences)
-    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((batch, width), dtype=torch.long)
-    loss_mask = torch.zeros((batch, width - 1), dtype=torch.float32)
+    """Right-pad ``sequences`` into a ``MicroBatch`` (per-token fields shifted to ``[B, T-1]``).
+
+    Each field is padded as Python lists and becomes one tensor in one call: a ``torch.tensor`` per row and
+    field cost about 0.1 ms each, most of a small micro-batch's collation."""
+    width = max(len(s.input_ids) for s in sequences)
+    lengths = torch.tensor([len(s.input_ids) for s in sequences])
+    input_ids = torch.tensor(_padded([s.input_ids for s in sequences], width, pad_id), dtype=torch.long)
+    attention_mask = (torch.arange(width) < lengths[:, None]).long()
+    shifted = _padded([s.loss_mask[1:] for s in sequences], width - 1, 0)
+    loss_mask = torch.tensor(shifted, dtype=torch.float32).ne(0).float()
     optional = {
-        name: torch.zeros((batch, width - 1), dtype=torch.float32)
+        name: torch.tensor(_padded([getattr(s, name)[1:] for s in sequences], width - 1, 0.0), dtype=torch.float32)
         for name in FLOAT_FIELDS
         if getattr(sequences[0], name) is not None
     }
-    versions = torch.full((batch, width - 1), -1, dtype=torch.long) if sequences[0].versions is not None else None
-    for row, seq in enumerate(sequences):
-        length = len(seq.input_ids)
-        input_ids[row, :length] = torch.tensor(seq.input_ids, dtype=torch.long)
-        attention_mask[row, :length] = 1
-        loss_mask[row, : length - 1] = torch.tensor(seq.loss_mask[1:], dtype=torch.float32).ne(0).float()
-        for name, tensor in optional.items():
-            tensor[row, : length - 1] = torch.tensor(getattr(seq, name)[1:], dtype=torch.float32)
-        if versions is not None and seq.versions is not None:
-            versions[row, : length - 1] = torch.tensor(seq.versions[1:], dtype=torch.long)
+    versions = None
+    if sequences[0].versions is not None:
+        rows = [s.versions[1:] if s.versions is not None else [] for s in sequences]
+        versions = torch.tensor(_padded(rows, width - 1, -1), dtype=torch.long)
     advantages = torch.tensor([s.advantage for s in sequences], dtype=torch.float32)
     moved = {name: t.to(device) for name, t in optional.items()}
     return MicroBatch(

@@ -1,8 +1,9 @@
-"""The FSDP2 training engine: one per torchrun rank, driven in lockstep by the controller.
+"""The FSDP2 training engine: one per torchrun rank, driven in lockstep by the controller (one float32 rank alone
+trains the unsharded model: ``_shards``).
 
-``setup``, ``token_logprobs``, ``sequence_logprobs``, ``train_step``, ``full_state_dict`` and ``export_hf``
-are collective: all ranks call them, in the same order, or the group hangs until the process-group
-timeout. Each rank passes its own share of the global batch.
+``setup``, ``token_logprobs``, ``sequence_logprobs``, ``train_step``, ``full_state_dict``, ``export_hf`` and
+``export_weights`` are collective: all ranks call them, in the same order, or the group hangs until the
+process-group timeout. Each rank passes its own share of the global batch.
 
 Conventions (see ``batch.py`` for the data layout):
 
@@ -48,6 +49,7 @@ STEP_METRICS = ("loss", "grad_norm", "lr", "tokens", "loss_tokens", "sequences",
 # weight files of a Hugging Face directory; export_hf writes its own, and copies everything else
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
 _WRITTEN_BY_SAVE = ("config.json", "generation_config.json", "model.safetensors.index.json")
+WEIGHTS_FILE = "model.safetensors"  # export_weights' one file, the name save_pretrained gives an unsharded model
 
 
 class Engine:
@@ -92,7 +94,11 @@ class Engine:
     # ---- setup -------------------------------------------------------------------------------------
 
     def setup(self) -> None:
-        """Load the model from ``model_path``, shard it per decoder layer and at the root, build the optimizer."""
+        """Load the model from ``model_path``, shard it per decoder layer and at the root, build the optimizer.
+
+        One rank computing in float32 is not sharded (``_shards``): FSDP2 would split nothing and cast nothing,
+        and its hooks and DTensors cost 10-18% of a small model's update in one process (``bench/train_step.py``),
+        more inside the default job (bench/README.md)."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -101,22 +107,30 @@ class Engine:
         info = self.dist
         model, layers, config = self._load_model()
         self.pad_id = next((i for i in (config.pad_token_id, config.eos_token_id) if isinstance(i, int)), 0)
-        mesh = init_device_mesh(info.device.type, (info.world_size,))
         mp_policy = self._mixed_precision(info.device)
-        for layer in layers:
-            fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
-        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
-        _sum_gradients_over_ranks(model)
+        sharded = _shards(info.world_size, mp_policy)
+        if sharded:
+            mesh = init_device_mesh(info.device.type, (info.world_size,))
+            for layer in layers:
+                fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+            fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+            _sum_gradients_over_ranks(model)
+        else:
+            model.to(info.device)  # where fully_shard would have put it
         self.model = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.train.lr, weight_decay=self.train.weight_decay)
+        # fused: one kernel over all parameters instead of about ten DTensor-dispatched ops per parameter
+        # (the tiny model's step 16 -> 2 ms on this CPU, bench/README.md); the same update up to rounding
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=self.train.lr, weight_decay=self.train.weight_decay, fused=True
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         params = sum(p.numel() for p in model.parameters())  # DTensor numel is the full (global) size
         logger.info(
-            "model %s: %.2fM parameters, %d layers sharded over %d rank(s) on %s, compute dtype %s",
+            "model %s: %.2fM parameters, %d layers %s on %s, compute dtype %s",
             self.model_path,
             params / 1e6,
             len(layers),
-            info.world_size,
+            f"sharded over {info.world_size} rank(s)" if sharded else "on one rank, not sharded",
             info.device,
             mp_policy.param_dtype or torch.float32,
         )
@@ -309,16 +323,21 @@ class Engine:
         return result
 
     def _sum_over_ranks(self, values: list[float]) -> list[float]:
-        """Element-wise sum of ``values`` over all ranks, on the gloo meta group (float64, exact for counts)."""
+        """Element-wise sum of ``values`` over all ranks, on the gloo meta group (float64, exact for counts). One
+        rank alone sends nothing (a collective of one is still ~25 us, an object gather ~165 us, each step)."""
         tensor = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.require_setup()[1].meta_group)
+        info = self.require_setup()[1]
+        if info.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=info.meta_group)
         return tensor.tolist()
 
     def _mean_metrics(self, weighted: dict[str, float], loss_tokens: float) -> dict[str, float]:
         info = self.require_setup()[1]
         # a rank whose micro-batches were all empty has no names: agree on the union first
-        names: list[list[str]] = [[] for _ in range(info.world_size)]
-        dist.all_gather_object(names, sorted(weighted), group=info.meta_group)
+        names: list[list[str]] = [sorted(weighted)]
+        if info.world_size > 1:
+            names = [[] for _ in range(info.world_size)]
+            dist.all_gather_object(names, sorted(weighted), group=info.meta_group)
         union = sorted({name for rank_names in names for name in rank_names})
         clash = [name for name in union if name in STEP_METRICS]
         if clash:
@@ -346,19 +365,52 @@ class Engine:
         out = Path(out_dir)
         state = _drop_tied_duplicates(model, self.full_state_dict())
 
-        def write() -> None:
-            tmp = out.with_name(f".{out.name}.partial")
-            shutil.rmtree(tmp, ignore_errors=True)
+        def fill(tmp: Path) -> None:
             # save_pretrained empties the dict it is given (transformers 5.x): hand it a copy
             model.save_pretrained(tmp, state_dict=dict(state), safe_serialization=True)
             _copy_non_weight_files(self.model_path, tmp)
-            if out.exists():
-                shutil.rmtree(out)
-            os.replace(tmp, out)
             logger.info("exported step %d to %s", self.step, out)
 
-        run_on_main(info, write, what=f"export to {out}")
+        run_on_main(info, lambda: _write_into_place(out, fill), what=f"export to {out}")
         return out
+
+    def export_weights(self, out_dir: str | Path) -> Path:
+        """Write only the weights, as one ``model.safetensors`` in ``out_dir``: what a server's
+        ``/update_weights_from_disk`` reads (SGLang's loader globs ``*.safetensors`` and reads no config or
+        tokenizer file there). About a tenth of ``export_hf``'s time on a small model: no ``save_pretrained``
+        (config, generation config, its own tensor handling) and no tokenizer files. The names and tensors are
+        ``export_hf``'s (tied duplicates dropped); written into place as ``export_hf`` does. Collective.
+        """
+        from safetensors.torch import save_file
+
+        model, info = self.require_setup()
+        out = Path(out_dir)
+        state = _drop_tied_duplicates(model, self.full_state_dict())
+
+        def fill(tmp: Path) -> None:
+            # no fsync, as save_pretrained does none: the servers read it back through the same page cache
+            save_file(state, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+
+        run_on_main(info, lambda: _write_into_place(out, fill), what=f"weights export to {out}")
+        return out
+
+
+def _write_into_place(out: Path, fill: Callable[[Path], None]) -> None:
+    """``fill`` a fresh hidden sibling of ``out``, then rename it to ``out`` (replacing one that is there), so a
+    reader never sees half a directory."""
+    tmp = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    fill(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+def _shards(world_size: int, mp_policy) -> bool:
+    """Whether FSDP2 wraps the model: with more than one rank to shard over, or to compute in bfloat16 from
+    float32 master weights (its mixed-precision policy), even on one rank."""
+    return world_size > 1 or mp_policy.param_dtype is not None
 
 
 def _sum_gradients_over_ranks(model: nn.Module) -> None:

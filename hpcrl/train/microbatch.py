@@ -74,6 +74,8 @@ def equalize(bins: list[list[int]], lengths: Sequence[int], count: int) -> list[
 
 def agree_count(local_count: int, group: dist.ProcessGroup | None) -> int:
     """The largest ``local_count`` over the ranks of ``group`` (a gloo group: the tensor stays on the CPU)."""
+    if dist.get_world_size(group) == 1:
+        return local_count
     value = torch.tensor([local_count], dtype=torch.long)
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return int(value.item())

@@ -40,6 +40,12 @@ class ValueEngine(Engine):
         model, _ = self.require_setup()
         return model(input_ids=input_ids, attention_mask=attention_mask)[:, :-1]
 
+    def token_logprobs(self, *args, **kwargs) -> Tensor:
+        raise TypeError("a value model has no token logprobs; ValueEngine.sequence_values gives its values")
+
+    def sequence_logprobs(self, *args, **kwargs) -> list[list[float]]:
+        raise TypeError("a value model has no token logprobs; ValueEngine.sequence_values gives its values")
+
     def sequence_values(self, sequences: list[Sequence]) -> list[list[float]]:
         """Per-token values aligned with each sequence's ``input_ids``: entry ``t`` is the value of the state in
         which token ``t`` was chosen (entry 0 is 0.0). Micro-batched, no update. Collective."""

@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     from hpcrl.logs import setup_logging
 
     setup_logging(args.role, rank)
+    from hpcrl.gc_freeze import freeze_startup_heap
     from hpcrl.launch.lease import Lease
 
     lease = Lease.from_env()  # from the start: setting up counts against the lease's grace
@@ -87,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         token = read_token(run_dir.path)
         extra = {"lease": lease.serve(token, bind, ports.allocate(1)[0], advertised)} if lease else {}
         entry = Registry(run_dir.registry).register(Entry(args.role, rank, advertised, port, extra=extra))
-        log.info("ready: trainer RPC at %s (registered in %s)", server.address, entry)
+        threads = torch.get_num_threads()
+        log.info("ready: trainer RPC at %s (registered in %s; %d torch threads)", server.address, entry, threads)
+        freeze_startup_heap(args.role)
         server.serve_until_stopped()
         log.info("shut down by the controller")
     finally:

@@ -71,7 +71,7 @@ def test_every_group_option_composes_and_validates(path):
 def test_default_config_is_the_tiny_cpu_job():
     cfg = load()
     assert (cfg.allocation.server.backend, cfg.allocation.server.workers) == ("cpu", 1)
-    assert (cfg.allocation.trainer.backend, cfg.allocation.trainer.workers) == ("fsdp", 2)
+    assert (cfg.allocation.trainer.backend, cfg.allocation.trainer.workers) == ("fsdp", 1)
     assert cfg.allocation.trainer.gpus_per_worker == 0
     assert cfg.cluster.kind == "local" and cfg.algorithm.name == "grpo"
 

@@ -95,7 +95,7 @@ def test_main_composes_groups_from_a_config_dir(main_cli, tmp_path, site_dir):
 def test_the_doctor_reads_a_config_dir(tmp_path, site_dir):
     result = run_module("hpcrl.doctor", "--config-dir", str(site_dir), "cluster=mybox", f"run.root={tmp_path / 'r'}")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "ok    config: valid: allocation cpu:d1g0n1+fsdp:d2g0n1 on cluster mybox (local)" in result.stdout
+    assert "ok    config: valid: allocation cpu:d1g0n1+fsdp:d1g0n1 on cluster mybox (local)" in result.stdout
 
 
 def test_sbatch_reads_a_config_dir_and_passes_it_on_to_the_run(tmp_path):

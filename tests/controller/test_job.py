@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,6 +37,26 @@ def wait_for_steps(proc, run_dir, steps: int, timeout_s: float = 300) -> None:
         time.sleep(0.2)
 
 
+def frozen_heaps(run_dir) -> dict[str, list[int]]:
+    """Per log file of the run, the start-up objects each process froze (``hpcrl.gc_freeze``'s log line)."""
+    found: dict[str, list[int]] = {}
+    for log in sorted((run_dir / "logs").glob("*.log")):
+        counts = re.findall(r": (\d+) start-up objects frozen", log.read_text())
+        if counts:
+            found[log.stem] = [int(c) for c in counts]
+    return found
+
+
+def torch_threads(run_dir) -> dict[str, int]:
+    """Per trainer or critic rank's log file, the torch threads its ready line names."""
+    found = {}
+    for log in sorted((run_dir / "logs").glob("*.log")):
+        threads = re.search(r"; (\d+) torch threads\)", log.read_text())
+        if threads:
+            found[log.stem] = int(threads.group(1))
+    return found
+
+
 def processes_of(run_dir: str) -> list[psutil.Process]:
     """Live processes whose environment names this run directory (every worker the schedulers start)."""
     found = []
@@ -49,16 +70,18 @@ def processes_of(run_dir: str) -> list[psutil.Process]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("staleness", "algorithm"), [(0, "grpo"), (1, "ppo")])
-def test_every_trained_token_is_within_the_staleness_bound(tmp_path, staleness, algorithm):
+@pytest.mark.parametrize(("staleness", "algorithm", "trainers"), [(0, "grpo", 1), (1, "ppo", 2)])
+def test_every_trained_token_is_within_the_staleness_bound(tmp_path, staleness, algorithm, trainers):
     # with a critic (ppo) the step waits on its values and its update too, yet the rollout goes on meanwhile:
-    # staleness 1 is reached, so episodes ran while the critic and the trainers worked
+    # staleness 1 is reached, so episodes ran while the critic and the trainers worked. grpo: the default job's one
+    # unsharded rank; ppo: two FSDP2 trainer ranks and the critic's
     trial = f"stale{staleness}"
     overrides = [
         f"run.trial={trial}",
         "run.max_steps=6",
         f"rollout.max_staleness={staleness}",
         f"algorithm={algorithm}",
+        f"allocation.trainer.workers={trainers}",
     ]
     overrides += ["eval.stop_at_accuracy=0", "eval.every_steps=0", "rollout.prompts_per_step=16"]
     summary_of(run_job(tmp_path, *overrides))
@@ -68,6 +91,16 @@ def test_every_trained_token_is_within_the_staleness_bound(tmp_path, staleness, 
     assert max(r["staleness_max"] for r in rows) == staleness, rows
     if staleness == 0:
         assert all(r["staleness_mean"] == 0 and r["token_version_min"] == r["step"] - 1 for r in rows)
+    # every process froze its start-up heap once, before the first step (a full collection of the controller's
+    # ~450k objects paused its loop 0.15-0.3 s every few seconds); the critic is a process of its own (ppo)
+    frozen = frozen_heaps(tmp_path / "default" / trial)
+    ranks = {f"trainer-{r}" for r in range(trainers)} | ({"critic-0"} if algorithm == "ppo" else set())
+    assert set(frozen) == {"controller-0", "server-proc-0"} | ranks, frozen
+    assert all(len(counts) == 1 and counts[0] > 100_000 for counts in frozen.values()), frozen
+    # the training ranks share this machine's cores as torch threads (roles.rank_threads): one rank takes them all
+    # (2 on 2 cores, where a hard-coded 1 would fail), three ranks on 2 cores are left no fewer than one
+    threads = torch_threads(tmp_path / "default" / trial)
+    assert threads == {rank: max(1, len(os.sched_getaffinity(0)) // len(ranks)) for rank in ranks}, threads
 
 
 @pytest.mark.slow
@@ -118,7 +151,9 @@ def test_two_runs_with_the_same_seed_sample_the_same_rewards(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("victim", "overrides"), [("trainer-1", []), ("critic-0", ["algorithm=ppo"])])
+@pytest.mark.parametrize(
+    ("victim", "overrides"), [("trainer-1", ["allocation.trainer.workers=2"]), ("critic-0", ["algorithm=ppo"])]
+)
 def test_a_killed_trainer_or_critic_rank_fails_the_run_fast_and_leaves_nothing(tmp_path, victim, overrides):
     run_dir = tmp_path / "default" / "kill"
     cmd = [sys.executable, "-m", "hpcrl.main", f"run.root={tmp_path}", "run.trial=kill", "run.max_steps=1000"]

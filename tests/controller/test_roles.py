@@ -4,6 +4,7 @@ takes the trainer's resources (Slurm settings included) when the site names none
 from dataclasses import replace
 
 from hpcrl.config.schema import RoleResources
+from hpcrl.controller import roles
 from hpcrl.controller.roles import role_specs
 from tests.config.compose import load
 
@@ -26,3 +27,22 @@ def test_without_resources_of_its_own_the_critic_takes_the_trainers():
     cfg = replace(cfg, cluster=replace(cfg.cluster, roles={**cfg.cluster.roles, "critic": own}))
     critic = next(s for s in role_specs(cfg) if s.role == "critic")
     assert critic.resources == own and critic.cpus_per_worker == 3
+
+
+def test_a_local_run_shares_this_machines_cores_among_its_training_ranks(monkeypatch):
+    monkeypatch.setattr(roles, "usable_cores", lambda: 4)
+    threads = lambda *o: {s.role: s.env.get("OMP_NUM_THREADS") for s in role_specs(load(*o))}  # noqa: E731
+    assert threads() == {"server": None, "trainer": "4"}
+    assert threads("allocation.trainer.workers=2") == {"server": None, "trainer": "2"}
+    assert threads("algorithm=ppo") == {"server": None, "trainer": "2", "critic": "2"}
+    assert threads("allocation.trainer.workers=3", "algorithm=ppo")["trainer"] == "1"
+    assert threads("allocation.trainer.workers=8")["trainer"] == "1"  # never 0
+    assert threads("+cluster.env.OMP_NUM_THREADS=3")["trainer"] == "3"  # the user's setting wins
+
+
+def test_on_slurm_a_rank_runs_as_many_threads_as_cpus_its_role_asks_for(monkeypatch):
+    monkeypatch.setattr(roles, "usable_cores", lambda: 64)  # the controller's node says nothing about the workers'
+    cfg = load("cluster=slurm", "algorithm=ppo", "allocation=1node_8gpu", "cluster.roles.trainer.cpus_per_worker=6")
+    specs = {s.role: s for s in role_specs(cfg)}
+    assert specs["trainer"].env["OMP_NUM_THREADS"] == "6"
+    assert specs["critic"].env["OMP_NUM_THREADS"] == str(specs["critic"].cpus_per_worker)

@@ -11,7 +11,7 @@ import pytest
 
 from hpcrl.launch.registry import Registry
 from tests.conftest import REPO
-from tests.controller.test_job import metrics_of, processes_of, wait_for_steps
+from tests.controller.test_job import frozen_heaps, metrics_of, processes_of, wait_for_steps
 
 pytestmark = pytest.mark.slow
 
@@ -37,6 +37,8 @@ def test_episodes_run_on_rollout_workers(tmp_path):
     log = (run_dir / "logs" / "controller-0.log").read_text()
     ran = json.loads(log.split("episodes each rollout worker ran, by rank: ")[1].splitlines()[0])
     assert set(ran) == {"0", "1"} and all(n > 0 for n in ran.values()), ran  # both workers ran episodes
+    frozen = frozen_heaps(run_dir)  # each rollout worker froze its start-up heap once it had registered
+    assert all(len(frozen.get(f"rollout-{r}", [])) == 1 for r in (0, 1)), frozen
     assert not processes_of(str(run_dir)), "no process of the run outlives it"
 
 

@@ -57,7 +57,8 @@ def test_a_slice_of_the_port_range_with_no_free_port_fails(tmp_path):
     # five listeners (the controller, a server, two trainers, the trainers' rendezvous): five slices of one port;
     # one of them taken
     low = next(p for p in range(21000, 30000, 7) if all(is_port_free(p + k) for k in range(5)))
-    cfg = load_config(["cluster=local", f"cluster.net.port_min={low}", f"cluster.net.port_max={low + 5}"])
+    cfg = load_config(["cluster=local", f"cluster.net.port_min={low}", f"cluster.net.port_max={low + 5}",
+                       "allocation.trainer.workers=2"])  # fmt: skip
     assert check_ports(cfg).status == "ok"
     with socket.create_server(("0.0.0.0", low + 2)):
         result = check_ports(cfg)
@@ -75,13 +76,15 @@ def test_a_setup_timeout_shorter_than_the_model_load_fails_with_advice(tmp_path,
 
 def test_the_port_range_is_cut_as_the_run_cuts_it_with_a_critic(tmp_path):
     """The run's PortSlots: the controller, each worker, and a rendezvous slot for each torchrun role. With the
-    critic (algorithm=ppo, 2 ranks): 1 + 1 server + 2 trainers + 2 critics + 2 rendezvous = 8 slices."""
+    critic (algorithm=ppo, 2 ranks) and 2 trainer ranks: 1 + 1 server + 2 trainers + 2 critics + 2 rendezvous = 8
+    slices."""
+    two = ["allocation.trainer.workers=2"]
     low = next(p for p in range(21000, 30000, 11) if all(is_port_free(p + k) for k in range(8)))
     ports = [f"cluster.net.port_min={low}", f"cluster.net.port_max={low + 7}"]
-    result = check_ports(load_config(["cluster=local", "algorithm=ppo", "allocation.critic.workers=2", *ports]))
+    result = check_ports(load_config(["cluster=local", "algorithm=ppo", "allocation.critic.workers=2", *two, *ports]))
     assert result.status == "fail" and "has 7 ports for 8 listeners" in result.found, result
     ports = [f"cluster.net.port_min={low}", f"cluster.net.port_max={low + 8}"]
-    result = check_ports(load_config(["cluster=local", "algorithm=ppo", "allocation.critic.workers=2", *ports]))
+    result = check_ports(load_config(["cluster=local", "algorithm=ppo", "allocation.critic.workers=2", *two, *ports]))
     assert result.status == "ok" and "8 slices of 1" in result.found, result
 
 

@@ -326,3 +326,32 @@ def test_a_signalled_process_ends_within_its_deadline_even_when_it_will_not_stop
     assert (took < 5) if second else (deadline_s <= took < deadline_s + 5), took  # "at once": not the deadline
     assert ("a second signal" if second else "still running 3 s after SIGTERM") in stderr, stderr
     assert wait_for(lambda: all(gone(pid) for pid in pids), 5, "the tree to be gone"), "every descendant killed"
+
+
+def test_a_spawned_child_and_its_children_ignore_slurms_warning_signal(tmp_path):
+    # Slurm's USR2@N reaches every process of a step; only the controller acts on it. The child runs the
+    # program itself (one PID: the wrapper's shell execs it), and a child of its own inherits the ignored signal
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+    code += "time.sleep(60)"
+    with spawn("w", py(code), tmp_path / "w.log") as child:
+        (grandchild,) = wait_for(lambda: psutil.Process(child.pid).children(), what="a grandchild")
+        assert psutil.Process(child.pid).cmdline()[:2] == [sys.executable, "-c"]
+        for pid in (child.pid, grandchild.pid):
+            os.kill(pid, signal.SIGUSR2)
+        time.sleep(0.5)
+        assert child.poll() is None and grandchild.is_running() and grandchild.status() != psutil.STATUS_ZOMBIE
+
+
+def test_spawn_finds_a_program_on_the_childs_path_or_says_it_is_not_there(tmp_path):
+    tool = tmp_path / "bin" / "hpcrl-test-tool"
+    tool.parent.mkdir()
+    tool.write_text('#!/bin/sh\necho tool ran with "$1"\n')
+    tool.chmod(0o755)
+    with spawn("t", ["hpcrl-test-tool", "a b"], tmp_path / "t.log", env={"PATH": str(tool.parent)}) as child:
+        assert wait_for(lambda: child.poll() is not None, what="the tool to end") and child.poll() == 0
+    assert "tool ran with a b" in (tmp_path / "t.log").read_text()
+    with pytest.raises(FileNotFoundError, match="hpcrl-test-tool"):
+        spawn("t", ["hpcrl-test-tool"], tmp_path / "t.log", env={"PATH": str(tmp_path)})
+    tool.chmod(0o644)
+    with pytest.raises(PermissionError):
+        spawn("t", [str(tool)], tmp_path / "t.log")

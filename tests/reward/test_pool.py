@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -251,3 +252,13 @@ def test_a_worker_outlives_its_killed_parent_by_a_second_at_most():
         parent.kill()
         parent.wait()
         parent.stdout.close()
+
+
+def test_a_worker_ignores_slurms_warning_signal():
+    """Slurm sends SIGUSR2 (--signal=USR2@N) to every process of the step; only the controller acts on it."""
+    with RewardPool(BEHAVE, workers=1, timeout_s=10) as pool:
+        worker = pool.pids()[0]
+        os.kill(worker, signal.SIGUSR2)
+        time.sleep(0.5)
+        assert psutil.Process(worker).is_running() and pool.pids() == [worker]
+        assert [o.value for o in pool.score_sync(_items("a"))] == [1.0] and pool.restarts == 0

@@ -34,6 +34,8 @@ UP_TIMEOUT_S = 480
 DOWN_TIMEOUT_S = 120
 # CPUs each node declares when this fixture starts the cluster: several small jobs fit on a 2-core machine
 DEFAULT_CPUS_PER_NODE = "4"
+# nodes the tests need (dev-cluster.sh's default): a hetjob's components never share a node
+MIN_NODES = 4
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ def slurm_cluster():
     """A Slurm whose partition has every node idle; started (and stopped at the end) only if none runs."""
     found = _ready(PARTITION)
     if not isinstance(found, str):
-        _need_cpus(found)
+        _need_shape(found)
         yield SlurmCluster(PARTITION, found, started_here=False)
         return
     if os.geteuid() != 0:
@@ -139,11 +141,19 @@ def slurm_cluster():
                 pytest.fail(f"slurm/dev-cluster.sh down failed (exit status {rc}):\n{output}", pytrace=False)
 
 
-def _need_cpus(nodes: tuple[str, ...]) -> None:
-    """A cluster found running must declare the CPUs a node that the fixture would (a controller job asks for 4)."""
+def _need_shape(nodes: tuple[str, ...]) -> None:
+    """A cluster found running must have the nodes, and declare the CPUs a node, that the fixture would start (a
+    controller job asks for 4 CPUs)."""
     out = _run(["sinfo", "-h", "-N", "-p", PARTITION, "-o", "%N %c"]).stdout
     cpus = {name: int(count) for name, count in (line.split() for line in out.splitlines() if line.strip())}
     few = {n: c for n, c in cpus.items() if n in nodes and c < int(DEFAULT_CPUS_PER_NODE)}
+    if len(nodes) < MIN_NODES:
+        pytest.fail(
+            f"the test Slurm found running has {len(nodes)} nodes; the tests need {MIN_NODES} (a whole run as one "
+            f"hetjob with a critic has {MIN_NODES} components): restart it with {SCRIPT.relative_to(REPO)} up "
+            "(after down)",
+            pytrace=False,
+        )
     if few:
         pytest.fail(
             f"the test Slurm found running declares {few} CPUs a node; the tests need {DEFAULT_CPUS_PER_NODE}: "

@@ -37,7 +37,7 @@ from hpcrl.launch.slurm.steps import AllocationMismatch, check_het_allocation
 from hpcrl.sbatch import render
 from tests.conftest import CONF_DIR, REPO
 from tests.slurm.conftest import sacct, wait_for_job
-from tests.slurm.test_job_on_slurm import check_addresses, check_group_on_trainer_node
+from tests.slurm.test_job_on_slurm import check_addresses, check_critic, check_group_on_trainer_node
 
 COMMITTED = {"controller": REPO / "slurm" / "controller.sbatch", "hetjob": REPO / "slurm" / "hetjob.sbatch"}
 TINY_JOB = ["run.max_steps=3", "eval.stop_at_accuracy=0", "rollout.prompts_per_step=16"]
@@ -124,7 +124,7 @@ def test_the_critic_takes_its_own_sbatch_settings_and_a_script_without_it_is_ref
     *_, trainer, critic = options(render("hetjob", overrides, python="python"))
     assert (critic["nodes"], critic["ntasks-per-node"], critic["cpus-per-task"]) == ("2", "1", "3")
     assert (critic["partition"], critic["time"]) == ("cpu", "7")
-    assert (trainer["partition"], trainer["time"], trainer["cpus-per-task"]) == ("debug", "10", "2")
+    assert (trainer["partition"], trainer["time"], trainer["cpus-per-task"]) == ("debug", "10", "1")  # one rank
     # the controller inside that job (cluster.submit_mode=steps) checks Slurm's components against the config
     cfg = compose_config(overrides)
     components = [
@@ -256,10 +256,11 @@ def test_the_site_file_in_the_docs_renders_a_controller_job_slurm_can_schedule(s
     assert sbatch_test_only("sbatch trainer", job_script(trainer, [])).status == "fail"
 
 
-def submit_by_hand(kind: str, workdir: Path, experiment: str, *args: str) -> str:
-    """Render the script for cluster=slurm_local (job names with the test's prefix) and sbatch it."""
+def submit_by_hand(kind: str, workdir: Path, experiment: str, *args: str, shape: tuple[str, ...] = ()) -> str:
+    """Render the script for cluster=slurm_local (job names with the test's prefix; SHAPE: overrides that change its
+    het groups) and sbatch it with ARGS."""
     script = workdir / f"{kind}.sbatch"
-    overrides = ["cluster=slurm_local", f"run.experiment={experiment}"]
+    overrides = ["cluster=slurm_local", f"run.experiment={experiment}", *shape]
     write = sbatch_cli(kind, *overrides, "--write", str(script), cwd=workdir)
     assert write.returncode == 0, write.stderr
     result = subprocess.run(
@@ -277,26 +278,32 @@ def summary_of(output: Path) -> dict:
 
 @pytest.mark.slurm
 @pytest.mark.slow
-@pytest.mark.parametrize("sync", ["disk", "distributed"])
-def test_the_whole_run_as_one_heterogeneous_job_submitted_by_hand(slurm_cluster, job_prefix, tmp_path, sync):
-    if len(slurm_cluster.nodes) < 3:
-        pytest.fail(f"the whole-run hetjob needs 3 nodes (components never share one); {slurm_cluster.nodes}")
+@pytest.mark.parametrize(("sync", "algorithm"), [("disk", "grpo"), ("distributed", "ppo")])
+def test_the_whole_run_as_one_heterogeneous_job_submitted_by_hand(slurm_cluster, job_prefix, tmp_path, sync, algorithm):
+    """The whole-run script's het groups are the controller and the roles (ppo: its critic a fourth, on a fourth
+    node); each role runs as an srun step of its own component."""
+    roles = ["server", "trainer"] + (["critic"] if algorithm == "ppo" else [])
+    if len(slurm_cluster.nodes) < 1 + len(roles):
+        pytest.fail(f"the whole-run hetjob needs {1 + len(roles)} nodes (components never share one); {slurm_cluster}")
     experiment = job_prefix.removeprefix("hpcrl-").rstrip("-")
-    job_id = submit_by_hand(
-        "hetjob", tmp_path, experiment, f"run.root={tmp_path}", f"train.weight_sync={sync}", *TINY_JOB
-    )
-    rows = wait_for_job(job_id, timeout_s=400, components=3)
+    overrides = [f"run.root={tmp_path}", f"train.weight_sync={sync}", f"algorithm={algorithm}", *TINY_JOB]
+    job_id = submit_by_hand("hetjob", tmp_path, experiment, *overrides, shape=(f"algorithm={algorithm}",))
+    rows = wait_for_job(job_id, timeout_s=400, components=1 + len(roles))
     output = tmp_path / f"hpcrl-{job_id}.out"
     assert rows[f"{job_id}+0"]["State"] == "COMPLETED", (rows, output.read_text()[-3000:])
-    assert summary_of(output)["steps"] == 3
+    summary = summary_of(output)
+    assert summary["steps"] == 3
     names = {key: row["JobName"] for key, row in rows.items() if "+" in key and "." not in key}
     assert names == {f"{job_id}+0": job_prefix.rstrip("-")} | {
-        f"{job_id}+{k}": f"{job_prefix}{role}" for k, role in ((1, "server"), (2, "trainer"))
+        f"{job_id}+{k}": f"{job_prefix}{role}" for k, role in enumerate(roles, start=1)
     }, names
     steps = {key for key in rows if "." in key}  # the roles ran as srun steps of their own components
-    assert any(key.startswith(f"{job_id}+1.") for key in steps) and any(key.startswith(f"{job_id}+2.") for key in steps)
+    for k in range(1, 1 + len(roles)):
+        assert any(key.startswith(f"{job_id}+{k}.") for key in steps), (k, steps)
     run_dir = tmp_path / experiment / f"slurm-{job_id}"
     check_addresses(run_dir, "auto")
+    if algorithm == "ppo":  # the critic's rank on its own node (component +3), trained every step, exported
+        check_critic(run_dir, summary, f"{job_id}+3", nodes=1)
     if sync == "distributed":
         check_group_on_trainer_node(run_dir)
 

@@ -167,3 +167,26 @@ def test_bad_arguments_fail_in_the_constructor(tmp_path, kwargs, match):
 def test_using_the_engine_before_setup_says_so(tmp_path):
     with pytest.raises(RuntimeError, match=r"setup\(\)"):
         Engine(tmp_path, TRAIN).token_logprobs(torch.zeros((1, 2), dtype=torch.long), torch.ones((1, 2)))
+
+
+def test_one_float32_rank_trains_the_unsharded_model_exactly_as_fsdp2_would(make_engine, monkeypatch):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor import DTensor
+
+    from hpcrl.train import engine as engine_module
+
+    shards = engine_module._shards
+    plain = make_engine()
+    assert not any(isinstance(p, DTensor) for p in plain.model.parameters())
+    monkeypatch.setattr(engine_module, "_shards", lambda world_size, mp_policy: True)
+    sharded = make_engine()
+    assert all(isinstance(p, DTensor) for p in sharded.model.parameters())
+    for step in range(3):
+        a, b = (e.train_step(_sequences([6, 9, 4], advantage=1.0 + step), _reinforce) for e in (plain, sharded))
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-7)
+    a, b = plain.full_state_dict(), sharded.full_state_dict()
+    assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
+    assert not any(a[k].data_ptr() == p.data_ptr() for k, p in plain.model.named_parameters()), "a copy, not live"
+    # mixed precision is FSDP2's too: bfloat16 compute over float32 masters keeps it on one rank
+    assert shards(1, MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    assert not shards(1, MixedPrecisionPolicy()) and shards(2, MixedPrecisionPolicy())

@@ -28,6 +28,22 @@ def test_collate_shifts_per_token_fields_onto_the_predictions_and_pads():
     assert mb.size == 2
 
 
+def test_collate_pads_every_float_field_after_the_shift_and_rounds_it_to_float32_once():
+    """Each optional per-token field lands one column left of its token, zero-padded, with the float32 value of
+    the number itself (one conversion, no detour through float64 arithmetic); a loss mask of 2 counts as 1."""
+    fields = {"token_advantages": [0.0, 0.1, 1 / 3], "returns": [0.0, 2.5, -7.25], "old_values": [9.0, 0.7, 1e-8]}
+    long = Sequence(input_ids=[5, 6, 7], loss_mask=[0, 2, 1], **fields)
+    short = Sequence(input_ids=[8, 9], loss_mask=[0, 1], **{name: [4.0, -0.3] for name in fields})
+    mb = collate([long, short], pad_id=1, device=torch.device("cpu"))
+    for name, values in fields.items():
+        got = getattr(mb, name)
+        expected = torch.tensor([values[1:], [-0.3, 0.0]], dtype=torch.float32)
+        assert got.dtype == torch.float32 and torch.equal(got, expected), (name, got)
+    assert mb.loss_mask.tolist() == [[1.0, 1.0], [1.0, 0.0]]
+    assert mb.input_ids.tolist() == [[5, 6, 7], [8, 9, 1]] and mb.attention_mask.tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert mb.old_logprobs is None and mb.versions is None
+
+
 @pytest.mark.parametrize(
     ("sequence", "match"),
     [

@@ -1,7 +1,9 @@
 """Real torchrun, 2 ranks on CPU (gloo) against 1: FSDP2 equivalence, uneven ranks, resume, HF export.
 
-``scripts/fsdp_engine.py`` does the training and writes state dicts and metrics; three launches (1 rank
-train, 2 ranks train, 2 ranks resume) are shared by every test here and take about a minute.
+``scripts/fsdp_engine.py`` does the training and writes state dicts and metrics; four launches (1 rank
+train, 2 ranks train, 2 ranks resume, 1 rank resume) are shared by every test here and take about a minute.
+One float32 rank trains the unsharded model (``engine._shards``), so "2 ranks against 1" is FSDP2 against the
+plain model.
 """
 
 import json
@@ -33,6 +35,7 @@ def runs(tmp_path_factory):
     _torchrun(1, str(model), str(out), "train")
     _torchrun(2, str(model), str(out), "train")
     _torchrun(2, str(model), str(out), "resume")
+    _torchrun(1, str(model), str(out), "resume")
     return model, out
 
 
@@ -79,11 +82,25 @@ def test_ranks_agree_on_the_micro_batch_count(runs):
 
 def test_resume_from_the_sharded_checkpoint_is_bit_identical(runs):
     _, out = runs
-    before, after = _metrics(out, "step6_before"), _metrics(out, "step6_after")
+    before, after = _metrics(out, "step6_before"), _metrics(out, "step6_after_w2")
     assert after == before  # loss, grad_norm, lr, step: exactly
     assert before[0]["step"] == 6
-    a, b = load_file(out / "step6_before.safetensors"), load_file(out / "step6_after.safetensors")
+    a, b = load_file(out / "step6_before.safetensors"), load_file(out / "step6_after_w2.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_sharded_checkpoint_resumes_on_one_unsharded_rank(runs):
+    # one float32 rank trains the plain model (no FSDP2): the two ranks' DCP shards load into its whole tensors
+    model, out = runs
+    before, after = _metrics(out, "step6_before"), _metrics(out, "step6_after_w1")
+    for a, b in zip(before, after, strict=True):
+        assert b["step"] == a["step"] == 6
+        for key in ("loss", "grad_norm", "lr", "tokens"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+    a, b = load_file(out / "step6_before.safetensors"), load_file(out / "step6_after_w1.safetensors")
+    assert _max_abs_diff(a, b) < TOLERANCE
+    initial = load_file(model / "model.safetensors") | {"lm_head.weight": a["lm_head.weight"]}
+    assert _max_abs_diff(a, initial) > 10 * TOLERANCE, "the checkpoint holds trained weights, not the initial"
 
 
 def test_the_full_state_dict_gathered_in_one_collective_is_torchs_bit_for_bit(runs):

@@ -80,3 +80,14 @@ def test_a_checkpoint_recovers_the_critic_exactly_and_its_export_is_a_value_mode
     with torch.no_grad():
         values = exported(ids, torch.ones_like(ids))[0, :-1].tolist()
     assert values == pytest.approx(_result(out, 2, 0)["after"][0][1:], abs=1e-5)
+
+
+@pytest.mark.parametrize("method", ["token_logprobs", "sequence_logprobs"])
+def test_a_value_engine_refuses_to_give_logprobs(tmp_path, method):
+    """Engine's logprob methods would hand back values under a logprob's name (or fail deep inside the forward)."""
+    from hpcrl.config.schema import TrainConfig
+    from hpcrl.train.value_engine import ValueEngine
+
+    engine = ValueEngine(tmp_path, TrainConfig(), total_steps=10)
+    with pytest.raises(TypeError, match=r"a value model has no token logprobs; ValueEngine\.sequence_values"):
+        getattr(engine, method)([])

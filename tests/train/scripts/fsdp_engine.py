@@ -10,7 +10,8 @@ Phases (every rank takes ``batch[rank::world]`` of the same seeded global batche
   writes ``logprobs_check.json`` (sharded ``token_logprobs`` vs the plain HF model), exports the ``varying``
   model (after step 5) to ``export/``, saves a checkpoint after
   step 5 to ``ckpt/``, then takes step 6 -> ``step6_before.{json,safetensors}``.
-- ``resume``: a fresh engine loads ``ckpt/`` and takes step 6 -> ``step6_after.{json,safetensors}``.
+- ``resume``: a fresh engine loads ``ckpt/`` (written by 2 ranks) and takes step 6 ->
+  ``step6_after_w<N>.{json,safetensors}``; on 1 rank the engine is the unsharded model.
 """
 
 from __future__ import annotations
@@ -158,7 +159,13 @@ def train_phase(model: str, out: Path, info: DistInfo) -> None:
 def resume_phase(model: str, out: Path, info: DistInfo) -> None:
     engine = new_engine(model, info)
     load_checkpoint(engine, out / "ckpt")
-    write(out, "step6_after", engine, run_steps(engine, "varying", range(STEPS, STEPS + 1), info), info)
+    write(
+        out,
+        f"step6_after_w{info.world_size}",
+        engine,
+        run_steps(engine, "varying", range(STEPS, STEPS + 1), info),
+        info,
+    )
 
 
 def main() -> None:
