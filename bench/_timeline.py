@@ -3,8 +3,11 @@
 The controller's process records, on one monotonic clock, when each of these was under way, and writes the
 intervals to OUT.json when the job ends: ``step`` (one ``Loop._step``: rollout wait, train, weight sync),
 ``gen`` (one generate request in flight to a server), ``train`` (one train-step RPC to the trainers), ``sync``
-(one weight push, servers paused), ``reward`` (one reward-pool call), ``eval``. The wrappers are installed on
-the classes before the job builds anything; they only take the time, so the job runs its own code paths.
+(one weight push, servers paused), ``reward`` (one reward-pool call), ``eval``; and the parts of a push:
+``export`` (the trainers' export RPC), ``load`` (``/update_weights_from_disk`` on every server), ``pause`` (a
+pause or continue call, when a push makes them). The wrappers are installed on the classes before the job
+builds anything; they only take the time, so the job runs its own code paths. A method a version of hpcrl
+lacks is skipped, so the same file times an older checkout too.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ INTERVALS: list[tuple[str, float, float, Any]] = []  # (kind, start, end, step o
 
 
 def timed(cls: type, method: str, kind: str, step_arg: bool = False) -> None:
-    original = getattr(cls, method)
+    original = getattr(cls, method, None)
+    if original is None:
+        return
 
     @functools.wraps(original)
     async def wrapper(self, *args, **kwargs):
@@ -47,6 +52,12 @@ def install() -> None:
     timed(Trainers, "train_step", "train")
     timed(WeightSync, "push", "sync")
     timed(RewardPool, "score", "reward")
+    timed(Trainers, "export_for_servers", "export")  # the disk sync's export (older checkouts: Ranks.export)
+    if not hasattr(Trainers, "export_for_servers"):
+        timed(Trainers, "export", "export")
+    timed(InferenceClient, "update_weights_from_disk", "load")
+    timed(InferenceClient, "pause", "pause")
+    timed(InferenceClient, "resume", "pause")
 
 
 def main() -> None:

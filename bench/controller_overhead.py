@@ -66,6 +66,21 @@ def split_steps(timeline: list) -> dict[str, float]:
     return out
 
 
+PARTS = ("sync", "export", "load", "pause")  # a push and its parts, timed in the controller
+
+
+def push_parts_ms(timeline: list) -> dict[str, float]:
+    """Median ms a step of a push and of each of its parts (the intervals that fall within a step; a step
+    without one counts as 0)."""
+    steps = [(start, end) for kind, start, end, _ in timeline if kind == "step"]
+    out = {}
+    for part in PARTS:
+        spans = [(start, end) for kind, start, end, _ in timeline if kind == part]
+        per_step = [sum(b - a for a, b in spans if a >= lo and b <= hi) for lo, hi in steps]
+        out[part] = 1000 * median(per_step)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
@@ -86,9 +101,12 @@ def main() -> None:
                 out = root / f"{trial}.timeline.json"
                 overrides = [*FIXED, f"run.max_steps={args.steps}", f"rollout.max_staleness={s}", *args.overrides]
                 run_job(overrides, root, trial, argv=[TIMELINE, str(out)])
-                results[s].append(split_steps(json.loads(out.read_text())))
-                shares = {k: round(v / results[s][-1]["total"], 3) for k, v in results[s][-1].items()}
-                print(f"run {r + 1}/{args.runs} staleness {s}: shares {shares}", file=sys.stderr, flush=True)
+                timeline = json.loads(out.read_text())
+                results[s].append(split_steps(timeline) | {f"{k}_ms": v for k, v in push_parts_ms(timeline).items()})
+                last = results[s][-1]
+                shares = {k: round(v / last["total"], 3) for k, v in last.items() if not k.endswith("_ms")}
+                ms = {k: round(v, 1) for k, v in last.items() if k.endswith("_ms")}
+                print(f"run {r + 1}/{args.runs} staleness {s}: shares {shares}, ms {ms}", file=sys.stderr, flush=True)
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
@@ -117,6 +135,11 @@ def report(results: dict[int, list[dict[str, float]]], args) -> None:
     print(f"{args.steps} steps per job, median of {args.runs} runs; shares of the steps' wall time")
     header = ["job", "s/step", "gen or train", "weight sync", "controller", "(reward)", "neither", "neither, each run"]
     print(table(header, rows))
+    parts = [
+        [f"max_staleness={s}", *(median([r[f"{k}_ms"] for r in runs]) for k in PARTS)] for s, runs in results.items()
+    ]
+    print("a step's weight push and its parts, ms (median of the steps, then of the runs; in the controller)")
+    print(table(["job", "push", "export", "load", "pause+continue"], parts))
     for s, runs in results.items():
         neither = median([(r["sync_only"] + r["controller"]) / r["total"] for r in runs])
         controller = share(s, "controller")

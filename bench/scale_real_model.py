@@ -6,11 +6,12 @@
 Makes a Qwen2-shaped model of 494M parameters, randomly initialised, behind the BPE chat tokenizer of
 ``hpcrl/models/chat.py`` (``python -m hpcrl.models.chat --shape qwen2.5-0.5b``), writes GSM8K-style rows, and runs
 ``python -m hpcrl.main experiment=gsm8k model.path=... 'dataset.train_files=[...]'`` with a short budget (a few
-prompts a step, short generations) on the default allocation: one CPU inference server, two FSDP ranks over gloo,
-the controller, the reward processes. While it runs, the resident memory of every process of the job's tree is
-sampled twice a second; it prints each process's peak, the steps' times (rollout, train, weight sync) and the
-summary line. A random model writes nonsense, so rewards are 0: what is measured is that the real-model path
-holds at this size, and what it costs. Results: README.md ("Scale check") and bench/README.md.
+prompts a step, short generations) on one CPU inference server and two FSDP ranks over gloo (the allocation
+README's figures were measured with; the default job has one rank), the controller, the reward processes. While it
+runs, the resident memory of every process of the job's tree is sampled twice a second; it prints each process's
+peak, the steps' times (rollout, train, weight sync) and the summary line. A random model writes nonsense, so
+rewards are 0: what is measured is that the real-model path holds at this size, and what it costs. Results:
+README.md ("Scale check") and bench/README.md.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
         f"algorithm.group_size={args.group}",
         f"rollout.max_new_tokens={args.new_tokens}",
         "reward.workers=1",
+        "allocation.trainer.workers=2",
         "checkpoint.every_steps=0",
         f"run.root={work / 'runs'}",
         "run.trial=scale",

@@ -11,8 +11,9 @@ by both from the same directory (hpcrl: ``model=local``); the same rows (``make_
 training split) and reward (``hpcrl.reward.builtin:mod10``). Both with the default job's settings: 64 prompts x
 8 completions a step (group size 8), at most 2 new tokens, temperature 1, AdamW lr 5e-4 constant, grad clip
 1.0, clip 0.2, no KL, group mean/std advantages, per-sequence token mean loss, and 2 optimizer updates of 256
-completions on each batch of 512 (TRL: ``per_device_train_batch_size=256, steps_per_generation=2``,
-``loss_type="grpo"``; its "reward" is logged once per generation batch with ``logging_steps=2``).
+completions on each batch of 512, drawn from the batch shuffled (TRL: ``per_device_train_batch_size=256,
+steps_per_generation=2``, ``loss_type="grpo"``, which shuffles the batch before splitting it; hpcrl:
+``algorithm.shuffle_minibatches=true``; its "reward" is logged once per generation batch with ``logging_steps=2``).
 
 hpcrl runs as ``python -m hpcrl.main`` (one CPU server, two FSDP trainer ranks); TRL runs in one process
 (this script with ``--trl-run``: CPU, no vLLM, generation with ``model.generate``). Each is stopped as soon as
@@ -150,6 +151,7 @@ def hpcrl_overrides(model_dir: Path, seed: int, max_steps: int, prompts: int) ->
         f"rollout.prompts_per_step={prompts}",
         f"algorithm.group_size={GROUP}",
         f"train.lr={LR}",
+        "algorithm.shuffle_minibatches=true",  # TRL shuffles its generation batch before splitting it in two
         "eval.stop_at_accuracy=0",
         "eval.every_steps=0",
     ]
