@@ -60,11 +60,9 @@ class MetricsLog:
             self._wandb = start_wandb(run_dir, settings.wandb, run_name, run_config)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        """Append the step's line and put it on disk before returning: the loop marks a checkpoint of this step
-        complete only after this, so a crash cannot leave a checkpoint that covers a step whose line is lost."""
+        """Append the step's line, handed to the OS (a killed process loses none); ``sync`` puts it on disk."""
         self._file.write(json.dumps({"step": step, **metrics}) + "\n")
         self._file.flush()
-        os.fsync(self._file.fileno())
         log.info("%s", step_line(step, metrics))
         if "eval_accuracy" in metrics:
             log.info("evaluation at step %d: held-out greedy accuracy %.3f", step, metrics["eval_accuracy"])
@@ -74,6 +72,13 @@ class MetricsLog:
                 self._tb.add_scalar(name, value, step)
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
+
+    def sync(self) -> None:
+        """The lines so far on disk (fsync). The loop calls it before it marks a checkpoint complete, so a crash, of
+        the node too, cannot leave a checkpoint that covers a step whose line is lost; lines after the newest
+        checkpoint are not synced (an fsync a step cost the default job 0.4% of its time): a resume trains their
+        steps again and logs them again."""
+        os.fsync(self._file.fileno())
 
     def close(self) -> None:
         self._file.close()
