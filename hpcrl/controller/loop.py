@@ -25,7 +25,6 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -160,9 +159,11 @@ class Loop:
                 # the lines up to its step, so a kill between the two must not find the checkpoint without the line
                 metrics_log.log(step, metrics)
                 if state is not None:
+                    metrics_log.sync()
                     self.checkpoints.publish(state)
                 self.progress(step, metrics)
                 if self.preempt is not None and self.preempt.requested:
+                    metrics_log.sync()  # the step may be checkpointed now
                     await self._stop_for_preemption(step, checkpointed="time_checkpoint_s" in metrics)
                 target = cfg.eval.stop_at_accuracy
                 if target and "eval_accuracy" in metrics and self.accuracy >= target:
@@ -243,8 +244,9 @@ class Loop:
         results = await self._train_on(to_sequences(groups, cfg.algorithm), rewards, metrics, step)
         t2 = time.monotonic()
         await self._push(sync, step)
-        executor.set_version(step)
+        executor.set_version(step)  # starts the groups the new version lets start
         t3 = time.monotonic()
+        await asyncio.sleep(0)  # one turn of the event loop: their requests go out before the step's bookkeeping
         trained = sorted({k for r in results for k in r} - {"step"})  # loss, grad_norm, clip_frac, kl, ...
         metrics.update({k: statistics.fmean(r[k] for r in results if k in r) for k in trained})
         metrics.update(self.counters)

@@ -119,8 +119,10 @@ class RolloutExecutor:
         self._pump_task = asyncio.create_task(self._pump(), name="rollout-pump")
 
     def set_version(self, version: int) -> None:
+        """The servers hold ``version``: the groups it lets start are started now (they run at the caller's next
+        await), not at the pump's next turn."""
         self.version = version
-        self._wake_pump.set()
+        self._start_what_fits()
 
     def restore(self, version: int, batches_trained: int, rejected: dict[str, int]) -> None:
         """Go on from a checkpoint (before ``start``): the servers hold ``version``, ``batches_trained`` batches were
@@ -154,16 +156,22 @@ class RolloutExecutor:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _pump(self) -> None:
+        while self._error is None:
+            self._start_what_fits()
+            self._wake_pump.clear()
+            await self._wake_pump.wait()
+
+    def _start_what_fits(self) -> None:
+        """Start as many groups as the concurrency and staleness bounds allow."""
+        if self._error is not None or self._pump_task is None:  # failed, or not started yet
+            return
         try:
-            while True:
-                for _ in range(max(0, self.capacity())):
-                    slot = _Slot(next(self.rows))
-                    task = asyncio.create_task(self.episode(slot.row))
-                    self.running[task] = slot
-                    self.queue.append(slot)
-                    task.add_done_callback(self._done)
-                self._wake_pump.clear()
-                await self._wake_pump.wait()
+            for _ in range(max(0, self.capacity())):
+                slot = _Slot(next(self.rows))
+                task = asyncio.create_task(self.episode(slot.row))
+                self.running[task] = slot
+                self.queue.append(slot)
+                task.add_done_callback(self._done)
         except Exception as e:  # e.g. the rows ran out: next_batch must not wait forever
             self._error = e
             self._wake_batch.set()
