@@ -4,8 +4,9 @@
 
 Runs the default job (``eval.stop_at_accuracy=0 eval.every_steps=0``) through ``bench/_timeline.py``, which
 records in the controller, on one wall clock, when each step ran and when a generate request, a train-step
-RPC, a weight push or a reward call was under way. Per step (``Loop._step``: rollout wait, train, weight
-sync), the step's time splits into:
+RPC, a weight push or a reward call was under way. A step's time runs from its start (``Loop._step``: rollout
+wait, train, weight sync) to the next step's start, so the loop's work between steps (the metrics line,
+TensorBoard, the progress line) is in it; the last step's ends with it. It splits into:
 
 - generation or training: some generate request in flight, or a train-step RPC;
 - weight sync only: the servers paused for a weight push, nothing else running;
@@ -54,7 +55,7 @@ def split_steps(timeline: list) -> dict[str, float]:
     for kind, start, end, _ in timeline:
         by_kind.setdefault(kind, []).append((start, end))
     out = dict.fromkeys(("total", "gen_or_train", "sync_only", "controller", "reward"), 0.0)
-    for lo, hi in by_kind["step"]:
+    for lo, hi in step_windows(by_kind["step"]):
         gen_train = union_within(by_kind.get("gen", []) + by_kind.get("train", []), lo, hi)
         busy = union_within(gen_train + by_kind.get("sync", []), lo, hi)
         reward = union_within(by_kind.get("reward", []), lo, hi)
@@ -64,6 +65,12 @@ def split_steps(timeline: list) -> dict[str, float]:
         out["controller"] += (hi - lo) - length(busy)
         out["reward"] += length(union_within(reward + busy, lo, hi)) - length(busy)  # reward calls alone
     return out
+
+
+def step_windows(steps: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Each step from its start to the next step's start (the last: to its end)."""
+    steps = sorted(steps)
+    return [(a, nxt) for (a, _), (nxt, _) in zip(steps, steps[1:])] + steps[-1:]
 
 
 PARTS = ("sync", "export", "load", "pause")  # a push and its parts, timed in the controller

@@ -29,6 +29,21 @@ def test_a_step_splits_into_generation_or_training_sync_and_controller():
     assert split["reward"] == pytest.approx(1.0)
 
 
+def test_the_loops_work_between_two_steps_counts_as_the_controllers():
+    timeline = [
+        ["step", 0.0, 4.0, 1],
+        ["gen", 0.0, 3.0, None],
+        ["step", 5.0, 8.0, 2],  # 4..5: the metrics line and the progress line of step 1, nothing in flight
+        ["gen", 4.5, 7.0, None],  # sent before step 2 began: generation from 4.5
+        ["train", 7.0, 8.0, None],
+        ["gen", 9.0, 10.0, None],  # after the last step: not counted
+    ]
+    split = split_steps(timeline)
+    assert split["total"] == pytest.approx(8.0)
+    assert split["gen_or_train"] == pytest.approx(3.0 + 3.5)
+    assert split["controller"] == pytest.approx(1.0 + 0.5)  # 3..4 and 4..4.5
+
+
 @pytest.mark.slow
 def test_controller_overhead_bench_times_a_real_job(run_bench):
     out = run_bench("controller_overhead")
