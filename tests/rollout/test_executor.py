@@ -60,6 +60,24 @@ def test_episodes_started_are_bounded_by_staleness(staleness, expected):
     run(scenario())
 
 
+def test_a_new_version_starts_its_groups_before_the_callers_next_await_returns():
+    # the loop yields once after set_version and then logs the step: the next batch's episodes must have run to
+    # their first wait by then (their requests sent), not only be due at the pump's next turn
+    async def scenario():
+        eps = Episodes()
+        ex = RolloutExecutor(eps, itertools.count(), batch_size=2, max_concurrent=100, max_staleness=0)
+        ex.start()
+        await settle()
+        eps.finish(0, 1)
+        assert await ex.next_batch() == [0, 1]
+        ex.set_version(1)
+        await asyncio.sleep(0)
+        assert eps.started == [0, 1, 2, 3]
+        await ex.close()
+
+    run(scenario())
+
+
 def test_synchronous_batches_train_on_their_own_version():
     async def scenario():
         eps = Episodes()
