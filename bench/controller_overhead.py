@@ -21,6 +21,7 @@ generation from its send to its answer, so "controller" is a lower bound on the 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import sys
@@ -70,7 +71,7 @@ def split_steps(timeline: list) -> dict[str, float]:
 def step_windows(steps: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """Each step from its start to the next step's start (the last: to its end)."""
     steps = sorted(steps)
-    return [(a, nxt) for (a, _), (nxt, _) in zip(steps, steps[1:])] + steps[-1:]
+    return [(a, nxt) for (a, _), (nxt, _) in itertools.pairwise(steps)] + steps[-1:]
 
 
 PARTS = ("sync", "export", "load", "pause")  # a push and its parts, timed in the controller

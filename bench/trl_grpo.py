@@ -15,8 +15,8 @@ completions on each batch of 512, drawn from the batch shuffled (TRL: ``per_devi
 steps_per_generation=2``, ``loss_type="grpo"``, which shuffles the batch before splitting it; hpcrl:
 ``algorithm.shuffle_minibatches=true``; its "reward" is logged once per generation batch with ``logging_steps=2``).
 
-hpcrl runs as ``python -m hpcrl.main`` (the default allocation: one CPU server, one trainer rank); TRL runs in one process
-(this script with ``--trl-run``: CPU, no vLLM, generation with ``model.generate``). Each is stopped as soon as
+hpcrl runs as ``python -m hpcrl.main`` (the default allocation: one CPU server, one trainer rank); TRL runs in one
+process (this script with ``--trl-run``: CPU, no vLLM, generation with ``model.generate``). Each is stopped as soon as
 a step's mean reward over its 512 completions reaches ``--target``, or at ``--max-steps`` steps (a step =
 one batch of 512 = 2 optimizer updates) or ``--time-cap-s``. Reported: steps and seconds to the target,
 training only (hpcrl: the steps' ``time_step_s``; TRL: from ``on_train_begin``) and from the command's start.
