@@ -77,8 +77,13 @@ def sample(root: psutil.Process, peaks: dict[int, tuple[str, int]]) -> None:
             rss = p.memory_info().rss
         except psutil.NoSuchProcess:
             continue
-        role, peak = peaks.get(p.pid, (None, 0))
-        peaks[p.pid] = (role or role_of(p), max(peak, rss))
+        known, peak = peaks.get(p.pid, (None, 0))
+        role = role_of(p)
+        if role == "?":  # gone meanwhile
+            role = known or role
+        elif role != known:  # first seen, or a child seen between its fork and its exec is the program it ran
+            peak = 0
+        peaks[p.pid] = (role, max(peak, rss))
 
 
 def run(args: argparse.Namespace, work: Path) -> None:

@@ -278,12 +278,14 @@ def test_an_unpaused_load_holds_new_requests_off_and_is_not_refused_for_them(lon
         thread.start()
         return thread
 
-    held = {"text": "1+1=", "rid": "held", "sampling_params": {"max_new_tokens": 800, "ignore_eos": True}}
+    # long enough to still run when the later request is sent, on a quiet machine too (800 tokens took under
+    # 0.8 s there, and this test's precondition failed)
+    held = {"text": "1+1=", "rid": "held", "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
     threads = [post("held", "/generate", held)]
-    time.sleep(0.5)  # the request runs by then
+    time.sleep(0.3)  # the request runs by then
     update = {"model_path": str(server.model), "weight_version": "11"}
     threads.append(post("update", "/update_weights_from_disk", update))
-    time.sleep(0.3)
+    time.sleep(0.2)
     later = {"text": "2+2=", "sampling_params": {"max_new_tokens": 3}}
     threads.append(post("later", "/generate", later))
     for thread in threads:
