@@ -5,9 +5,11 @@ intervals to OUT.json when the job ends: ``step`` (one ``Loop._step``: rollout w
 ``gen`` (one generate request in flight to a server), ``train`` (one train-step RPC to the trainers), ``sync``
 (one weight push, servers paused), ``reward`` (one reward-pool call), ``eval``; and the parts of a push:
 ``export`` (the trainers' export RPC), ``load`` (``/update_weights_from_disk`` on every server), ``pause`` (a
-pause or continue call, when a push makes them). The wrappers are installed on the classes before the job
-builds anything; they only take the time, so the job runs its own code paths. A method a version of hpcrl
-lacks is skipped, so the same file times an older checkout too.
+pause or continue call, when a push makes them). When the step's last train call writes the servers' weights
+itself (the disk sync since the export went into the train step), the end of that call, as long as the
+trainer's ``time_weights_export_s``, is ``export`` and ``sync``, not ``train``. The wrappers are installed on
+the classes before the job builds anything; they only take the time, so the job runs its own code paths. A
+method a version of hpcrl lacks is skipped, so the same file times an older checkout too.
 """
 
 from __future__ import annotations
@@ -38,6 +40,29 @@ def timed(cls: type, method: str, kind: str, step_arg: bool = False) -> None:
     setattr(cls, method, wrapper)
 
 
+def timed_train_step(cls: type) -> None:
+    """``train``, less the export at its end when the call wrote the servers' weights (``export`` and ``sync``)."""
+    original = cls.train_step
+
+    @functools.wraps(original)
+    async def wrapper(self, *args, **kwargs):
+        start = time.monotonic()
+        metrics = {}
+        try:
+            metrics = await original(self, *args, **kwargs)
+            return metrics
+        finally:
+            end = time.monotonic()
+            export_end = end
+            end -= min(end - start, metrics.get("time_weights_export_s", 0.0))
+            INTERVALS.append(("train", start, end, None))
+            if export_end > end:
+                INTERVALS.append(("export", end, export_end, None))
+                INTERVALS.append(("sync", end, export_end, None))
+
+    cls.train_step = wrapper
+
+
 def install() -> None:
     from hpcrl.controller.loop import Loop
     from hpcrl.controller.trainers import Trainers
@@ -49,7 +74,7 @@ def install() -> None:
     timed(Loop, "evaluate", "eval")
     timed(InferenceClient, "generate", "gen")
     timed(InferenceClient, "generate_many", "gen")
-    timed(Trainers, "train_step", "train")
+    timed_train_step(Trainers)
     timed(WeightSync, "push", "sync")
     timed(RewardPool, "score", "reward")
     timed(Trainers, "export_for_servers", "export")  # the disk sync's export (older checkouts: Ranks.export)

@@ -242,9 +242,10 @@ class Loop:
         t1 = time.monotonic()
         metrics: dict[str, Any] = rollout_stats(groups, version)
         rewards = [sample.reward for group in groups for sample in group.samples]  # to_sequences' order
-        results = await self._train_on(to_sequences(groups, cfg.algorithm), rewards, metrics, step)
+        export_to = await sync.export_path(step)  # disk sync: the last train call writes the servers' weights
+        results = await self._train_on(to_sequences(groups, cfg.algorithm), rewards, metrics, step, export_to)
         t2 = time.monotonic()
-        await self._push(sync, step)
+        await self._push(sync, step, exported=bool(export_to))
         executor.set_version(step)  # starts the groups the new version lets start
         t3 = time.monotonic()
         await asyncio.sleep(0)  # one turn of the event loop: their requests go out before the step's bookkeeping
@@ -264,11 +265,16 @@ class Loop:
         return metrics
 
     async def _train_on(
-        self, sequences: list[SequenceData], rewards: list[float], metrics: dict[str, Any], step: int
+        self,
+        sequences: list[SequenceData],
+        rewards: list[float],
+        metrics: dict[str, Any],
+        step: int,
+        export_to: str = "",
     ) -> list[dict[str, float]]:
         """``algorithm.updates_per_batch`` optimizer updates, each on its own disjoint part of the batch
         (``_minibatches``); with a critic, its update on the same part at the same time (its metrics prefixed
-        ``critic_``).
+        ``critic_``). The last update writes the servers' weights to ``export_to`` when it is not "".
 
         First, at once: decoupled PPO's proximal logprobs (the policy before this step's first update, taken once
         for the whole batch, so every part's ratio is against the same policy) and the critic's values, from which
@@ -276,12 +282,14 @@ class Loop:
         trainers, critics = self.w.trainers, self.w.critics
         await asyncio.gather(self._proximal(sequences), self._gae(sequences, rewards, metrics))
         results = []
-        for chunk in _minibatches(sequences, self.cfg.algorithm, derive_seed(self.cfg.run.seed, "minibatches", step)):
+        chunks = _minibatches(sequences, self.cfg.algorithm, derive_seed(self.cfg.run.seed, "minibatches", step))
+        for i, chunk in enumerate(chunks):
+            export = export_to if i == len(chunks) - 1 else ""
             if critics is None:
-                results.append(await trainers.train_step(shard(chunk, trainers.world_size)))
+                results.append(await trainers.train_step(shard(chunk, trainers.world_size), export))
                 continue
             actor, critic = await asyncio.gather(
-                trainers.train_step(shard(chunk, trainers.world_size)),
+                trainers.train_step(shard(chunk, trainers.world_size), export),
                 critics.train_step(shard(chunk, critics.world_size)),
             )
             results.append({**actor, **{f"critic_{k}": critic[k] for k in CRITIC_METRICS if k in critic}})
@@ -365,18 +373,19 @@ class Loop:
             return "equal_rewards", f"every reward {rewards.pop()} for {group.prompt!r}"
         return None
 
-    async def _push(self, sync: WeightSync, step: int) -> None:
-        """The weight sync; one that failed because a server died goes again once that server has left the pool."""
+    async def _push(self, sync: WeightSync, step: int, exported: bool) -> None:
+        """The weight sync; one that failed because a server died goes again once that server has left the pool.
+        ``exported``: the step's train call wrote the servers' weights (``WeightSync.export_path``)."""
         from hpcrl.inference.client import InferenceError
 
         servers = len(self.w.client.addresses)
         try:
-            await sync.push(step)
+            await sync.push(step, exported=exported)
         except InferenceError:
             if not await self._server_left(servers):
                 raise
             log.warning("the weight sync of step %d failed on a server that has died; again without it", step)
-            await sync.push(step)
+            await sync.push(step, exported=exported)
 
     async def _server_left(self, servers: int, grace_s: float = 10.0) -> bool:
         """Whether a server leaves the pool within ``grace_s`` (its worker may take a moment to exit)."""

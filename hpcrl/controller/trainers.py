@@ -60,9 +60,10 @@ class Trainers(Ranks):
         super().__init__(addresses, token, timeout_s)
         self.temperature = temperature
 
-    async def train_step(self, shards: list[list[SequenceData]]) -> dict[str, float]:
-        """One optimizer step on the global batch split in ``shards`` (one per rank); global metrics."""
-        requests = [TrainStep(SequenceBatch.pack(s), self.temperature) for s in shards]
+    async def train_step(self, shards: list[list[SequenceData]], export_to: str = "") -> dict[str, float]:
+        """One optimizer step on the global batch split in ``shards`` (one per rank); global metrics. With
+        ``export_to``, rank 0 then writes the new weights there, as ``export_for_servers`` does, before replying."""
+        requests = [TrainStep(SequenceBatch.pack(s), self.temperature, export_to) for s in shards]
         replies = await self.rpc.call("train_step", requests)
         return replies[0].metrics
 

@@ -6,8 +6,10 @@ set once they have the weights, so nothing is submitted in between). By ``train.
 
 - ``disk``: trainer rank 0 writes the weights alone (one ``model.safetensors``, no config or tokenizer
   files: SGLang's loader reads only the ``*.safetensors`` of the directory) under the run directory while
-  the servers go on generating with the old weights (with ``rollout.max_staleness`` > 0 they have work);
-  then one call per server, ``/update_weights_from_disk`` with ``abort_all_requests``, aborts what runs and
+  the servers go on generating with the old weights (with ``rollout.max_staleness`` > 0 they have work).
+  The loop has the step's last train call write it (``export_path``, then ``push(exported=True)``): one
+  round trip to the trainers less per step than a call of its own, which ``push`` makes otherwise. Then
+  one call per server, ``/update_weights_from_disk`` with ``abort_all_requests``, aborts what runs and
   loads it. No pause and continue around it: SGLang loads under its model-update lock, which holds new
   requests until the load and the cache flush are done (its abort-mode pause would add two round trips,
   and polls every 1 s until the aborted requests have ended). The older exports are deleted in a thread
@@ -76,16 +78,26 @@ class WeightSync:
             spec_bytes(specs) / 2**20,
         )
 
-    async def push(self, version: int) -> None:
+    async def export_path(self, version: int) -> str:
+        """Disk mode: where the train call that makes ``version`` writes the servers' weights (``push`` with
+        ``exported`` then loads them), once the older exports' deletion is over, so it cannot take the new one.
+        Distributed mode: "" (the push sends the weights itself)."""
+        if self.mode != "disk":
+            return ""
+        await self._cleaned()
+        return str(self._path(version))
+
+    async def push(self, version: int, *, exported: bool = False) -> None:
+        """The servers get ``version``; ``exported``: the trainers already wrote it to ``export_path(version)``."""
         async with self.lock:
             await self._cleaned()
-            exported = await self._export(version) if self.mode == "disk" else None
+            exported_to = await self._export(version, exported) if self.mode == "disk" else None
             self.resumed.clear()
             if self.episodes is not None:  # rollout workers hold their resubmissions until the servers resume
                 await self.episodes.pause()
             try:
-                if exported is not None:
-                    await self.client.update_weights_from_disk(str(exported), version, abort_all_requests=True)
+                if exported_to is not None:
+                    await self.client.update_weights_from_disk(str(exported_to), version, abort_all_requests=True)
                 else:
                     await self.client.pause("abort")
                     try:
@@ -96,12 +108,16 @@ class WeightSync:
                 if self.episodes is not None:
                     await self.episodes.resume()
                 self.resumed.set()
-            if exported is not None:  # in a thread, while the run goes on: awaited by the next push or close()
-                self.cleanup = asyncio.create_task(asyncio.to_thread(self._drop_older, exported))
+            if exported_to is not None:  # in a thread, while the run goes on: awaited by the next push or close()
+                self.cleanup = asyncio.create_task(asyncio.to_thread(self._drop_older, exported_to))
 
-    async def _export(self, version: int) -> Path:
-        path = self.weights_dir / f"v{version:06d}"
-        await self.trainers.export_for_servers(path)
+    def _path(self, version: int) -> Path:
+        return self.weights_dir / f"v{version:06d}"
+
+    async def _export(self, version: int, exported: bool) -> Path:
+        path = self._path(version)
+        if not exported:  # else a missing export fails the servers' load, which names the path
+            await self.trainers.export_for_servers(path)
         self.current = (str(path), version)  # a server restarted from now on loads this one
         return path
 

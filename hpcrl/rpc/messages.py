@@ -241,6 +241,7 @@ def _to_list(t: torch.Tensor | None) -> list | None:
 class TrainStep:
     batch: SequenceBatch  # this rank's shard of the batch
     temperature: float  # sampling temperature the logits are divided by
+    export_to: str = ""  # after the update, the weights for the servers go here (ExportWeights' export); "" = none
 
 
 @register

@@ -31,6 +31,10 @@ class CriticService(EngineService):
 
     def train_step(self, msg: TrainStep) -> TrainStepResult:
         """One optimizer step of the value loss on this rank's shard (every sequence with returns and old values)."""
+        if msg.export_to:
+            raise ValueError(
+                f"a critic writes no weights for the servers; its train step got export_to={msg.export_to!r}"
+            )
         sequences = _sequences(msg.batch)
         missing = next((i for i, s in enumerate(sequences) if s.returns is None or s.old_values is None), None)
         if missing is not None:

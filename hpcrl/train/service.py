@@ -7,6 +7,7 @@ RPC server runs the handlers one at a time, in arrival order, so the ranks' coll
 from __future__ import annotations
 
 import os
+import time
 
 from hpcrl.config.schema import Config
 from hpcrl.net import PortAllocator
@@ -118,7 +119,9 @@ class TrainerService(EngineService):
 
         Collective, like the step. Decoupled PPO's proximal logprobs come with the sequences: the controller
         takes them once per step, for the whole batch, before its first update (``compute_logprobs``), since
-        with ``algorithm.updates_per_batch > 1`` this policy has changed by the second call.
+        with ``algorithm.updates_per_batch > 1`` this policy has changed by the second call. With ``export_to``
+        the updated weights are then written there for the servers, as ``export_for_servers`` writes them (the
+        disk weight sync's export without a call of its own); its time is the metric ``time_weights_export_s``.
         """
         sequences = _sequences(msg.batch)
         if self.decoupled and any(s.prox_logprobs is None for s in sequences):
@@ -129,7 +132,12 @@ class TrainerService(EngineService):
         if self.reference is not None:
             for seq, lp in zip(sequences, self.reference.sequence_logprobs(sequences, msg.temperature), strict=True):
                 seq.ref_logprobs = lp
-        return TrainStepResult(self.engine.train_step(sequences, self.loss_fn, msg.temperature))
+        metrics = self.engine.train_step(sequences, self.loss_fn, msg.temperature)
+        if msg.export_to:
+            start = time.monotonic()
+            push_to_disk(self.engine, msg.export_to)
+            metrics["time_weights_export_s"] = round(time.monotonic() - start, 4)
+        return TrainStepResult(metrics)
 
     def compute_logprobs(self, msg: ComputeLogprobs) -> LogprobsResult:
         sequences = _sequences(msg.batch)

@@ -1,7 +1,10 @@
 """bench/controller_overhead.py: the split of a step's time from a timeline, and a real job (slow)."""
 
+import asyncio
+
+import _timeline
 import pytest
-from controller_overhead import split_steps, union_within
+from controller_overhead import push_parts_ms, split_steps, union_within
 
 from tests.bench.conftest import assert_table
 
@@ -42,6 +45,31 @@ def test_the_loops_work_between_two_steps_counts_as_the_controllers():
     assert split["total"] == pytest.approx(8.0)
     assert split["gen_or_train"] == pytest.approx(3.0 + 3.5)
     assert split["controller"] == pytest.approx(1.0 + 0.5)  # 3..4 and 4..4.5
+
+
+def test_the_export_at_the_end_of_a_train_call_counts_as_the_weight_sync_not_as_training(monkeypatch):
+    class Trainers:
+        async def train_step(self, shards, export_to=""):
+            await asyncio.sleep(0.2)
+            return {"loss": 1.0, "time_weights_export_s": 0.05} if export_to else {"loss": 1.0}
+
+    monkeypatch.setattr(_timeline, "INTERVALS", [])
+    _timeline.timed_train_step(Trainers)
+
+    async def step() -> None:
+        await Trainers().train_step([])  # an earlier update of the step: no export
+        await Trainers().train_step([], "/w/v1")
+
+    asyncio.run(step())
+    (_, a0, a1, _), (_, b0, b1, _), export, sync = _timeline.INTERVALS
+    kinds = [kind for kind, *_ in _timeline.INTERVALS]
+    assert kinds == ["train", "train", "export", "sync"]
+    assert a1 - a0 >= 0.2, "a call without an export is all training"
+    assert b1 - b0 >= 0.149, "the call that exported is training but for its last 0.05 s"
+    assert export[1] == sync[1] == b1 and export[2] == sync[2] == pytest.approx(b1 + 0.05)
+    timeline = [["step", a0, sync[2] + 0.01, 1], *_timeline.INTERVALS]
+    assert split_steps(timeline)["sync_only"] == pytest.approx(0.05)
+    assert push_parts_ms(timeline)["export"] == pytest.approx(50.0)
 
 
 @pytest.mark.slow

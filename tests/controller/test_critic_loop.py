@@ -25,12 +25,12 @@ class OverlapTrainers(PolicyTrainers):
         await asyncio.wait_for(self.values_started.wait(), DEADLINE_S)
         return await super().compute_logprobs(shards)
 
-    async def train_step(self, shards):
+    async def train_step(self, shards, export_to=""):
         for part in shards:
             for s in part:
                 assert s.token_advantages is not None and s.returns is not None, "GAE came before the update"
         self.parts.append(sorted(s.input_ids for part in shards for s in part))
-        return await super().train_step(shards)
+        return await super().train_step(shards, export_to)
 
 
 class FakeCritics:
@@ -49,7 +49,7 @@ class FakeCritics:
         await asyncio.sleep(0.05)  # the proximal logprobs run meanwhile
         return [[[0.0] + [0.25] * (len(s.input_ids) - 1) for s in part] for part in shards]
 
-    async def train_step(self, shards):
+    async def train_step(self, shards, export_to=""):
         rows = [s for part in shards for s in part]
         assert all(s.old_values[1:] == [0.25] * (len(s.input_ids) - 1) for s in rows), "the values it gave"
         self.parts.append(sorted(s.input_ids for s in rows))

@@ -39,7 +39,7 @@ class PolicyTrainers:
     async def compute_logprobs(self, shards):
         return [[[-1.0 - self.updates] * len(s.input_ids) for s in part] for part in shards]
 
-    async def train_step(self, shards):
+    async def train_step(self, shards, export_to=""):
         self.prox_seen.append([lp for part in shards for s in part for lp in s.prox_logprobs])
         self.updates += 1
         return {"loss": 0.0}
@@ -70,7 +70,7 @@ def test_without_the_decoupled_objective_no_proximal_logprobs_are_taken(tmp_path
 
 
 def _record_none(trainers):
-    async def train_step(shards):
+    async def train_step(shards, export_to=""):
         trainers.prox_seen.append([s.prox_logprobs for part in shards for s in part])
         return {"loss": 0.0}
 
@@ -87,9 +87,11 @@ class MinibatchTrainers:
 
     def __init__(self):
         self.parts: list[list[int]] = []
+        self.exports: list[str] = []  # per update, where it wrote the servers' weights ("" = nowhere)
 
-    async def train_step(self, shards):
+    async def train_step(self, shards, export_to=""):
         self.parts.append(sorted(int(s.advantage) for part in shards for s in part))
+        self.exports.append(export_to)
         return {"loss": 0.0}
 
 
@@ -243,3 +245,12 @@ def test_episode_errors_are_rejections_by_cause_or_fail_the_run():
     assert _episode_error_cause(InferenceError("503 three times", server="h:2")) == "failed"
     assert _episode_error_cause(on_a_rollout_worker("ValueError")) == "failed"
     assert _episode_error_cause(KeyError("a bug")) is None, "anything else fails the run"
+
+
+def test_only_the_steps_last_update_writes_the_servers_weights(tmp_path):
+    cfg = Config()
+    cfg.algorithm = replace(cfg.algorithm, updates_per_batch=3)
+    trainers = MinibatchTrainers()
+    batch = [replace(sequence(3), advantage=float(i)) for i in range(24)]
+    asyncio.run(make_loop(tmp_path, cfg, trainers=trainers)._train_on(batch, [0.0] * 24, {}, 1, export_to="/w/v1"))
+    assert trainers.exports == ["", "", "/w/v1"], "the weights the servers load are the step's last update's"

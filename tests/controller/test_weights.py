@@ -2,6 +2,8 @@
 aborts and loads (no pause and continue around it); a distributed push pauses for its session."""
 
 import asyncio
+import time
+from pathlib import Path
 
 from hpcrl.controller.weights import WeightSync
 
@@ -75,3 +77,34 @@ def test_a_distributed_push_pauses_for_its_session_and_resumes_after(tmp_path):
 
     seen = asyncio.run(push())
     assert seen == [("pause", False), ("begin", False), ("broadcast v3", False), ("end", False), ("resume", False)]
+
+
+def test_weights_the_train_step_wrote_are_loaded_without_an_export_call_and_the_cleanup_cannot_take_them(tmp_path):
+    weights = tmp_path / "weights"
+
+    class SlowCleanup(WeightSync):
+        def _drop_older(self, path: Path) -> None:
+            time.sleep(0.3)  # still deleting while the next step trains, unless export_path waits for it
+            super()._drop_older(path)
+
+    async def run() -> tuple[list, WeightSync, str, list[str]]:
+        resumed = asyncio.Event()
+        resumed.set()
+        calls = Calls(resumed)
+        sync = SlowCleanup("disk", calls, calls, resumed, weights)  # type: ignore[arg-type]
+        await sync.push(1)  # a call of its own, as at the start of a resumed run; its cleanup runs in a thread
+        path = await sync.export_path(2)
+        Path(path).mkdir(parents=True)  # the step's last train call writes it
+        await sync.push(2, exported=True)
+        await sync.close()
+        return calls.seen, sync, path, sorted(p.name for p in weights.iterdir())
+
+    seen, sync, path, left = asyncio.run(run())
+    assert seen == [("export", True), ("load v1 aborting", False), ("load v2 aborting", False)], seen
+    assert path == str(weights / "v000002") and sync.current == (path, 2)
+    assert left == ["v000002"], "the step's export outlives the deletion of the older ones"
+
+
+def test_a_distributed_sync_has_no_export_path(tmp_path):
+    sync = WeightSync("distributed", None, None, asyncio.Event(), tmp_path)  # type: ignore[arg-type]
+    assert asyncio.run(sync.export_path(1)) == ""

@@ -4,6 +4,8 @@ import asyncio
 import sys
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from hpcrl.config.load import dump_config
 from hpcrl.config.schema import Config
@@ -61,6 +63,10 @@ def test_trainer_ranks_serve_train_steps_export_and_shut_down(trainer_run):
             shards = [[_sequence(4, 2, 1.0), _sequence(3, 2, -1.0)], [_sequence(5, 2, 0.5)]]
             metrics = await trainers.train_step(shards)
             assert metrics["step"] == 1 and metrics["sequences"] == 3 and metrics["loss_tokens"] == 6
+            assert "time_weights_export_s" not in metrics, "no export was asked for"
+            metrics = await trainers.train_step(shards, export_to=str(run_dir.path / "by_step"))
+            assert metrics["step"] == 2 and metrics["time_weights_export_s"] > 0
+            await trainers.export_for_servers(run_dir.path / "by_call")  # no update in between
             await trainers.export(run_dir.path / "export")
             specs = await trainers.weight_specs("bfloat16")  # in the servers' dtype
             assert "model.embed_tokens.weight" in [name for name, _, _ in specs]
@@ -71,6 +77,11 @@ def test_trainer_ranks_serve_train_steps_export_and_shut_down(trainer_run):
 
     asyncio.run(asyncio.wait_for(drive(), 300))
     assert (run_dir.path / "export" / "config.json").is_file()
+    by_step, by_call = (load_file(run_dir.path / d / "model.safetensors") for d in ("by_step", "by_call"))
+    assert by_step.keys() == by_call.keys() and all(torch.equal(by_step[k], by_call[k]) for k in by_call), (
+        "the train step's export holds the weights after its update, bit for bit"
+    )
+    assert sorted(p.name for p in (run_dir.path / "by_step").iterdir()) == ["model.safetensors"]
     for _ in range(100):
         try:
             group.check_alive()
