@@ -4,6 +4,7 @@ the run id is the run directory's, so a resumed run logs to the same W&B run. An
 
 import json
 import math
+import time
 
 import pytest
 
@@ -19,6 +20,8 @@ FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 def wandb_records(path) -> list[bytes]:
     """The records of a .wandb file (its own header, ":W&B" and version, then LevelDB log records)."""
     data = path.read_bytes()
+    if len(data) < 7:  # its header is not written yet
+        return []
     assert data[:4] == b":W&B", "not a W&B data file"
     records, parts, pos = [], [], 7
     while pos + HEADER <= len(data):
@@ -38,8 +41,19 @@ def wandb_records(path) -> list[bytes]:
     return records
 
 
-def logged_history(run_dir) -> tuple[list[dict], dict]:
-    """(each history record as {key: value}, the run record's fields) of the one offline run in ``run_dir``."""
+def logged_history(run_dir, steps: int, deadline_s: float = 30.0) -> tuple[list[dict], dict]:
+    """(each history record as {key: value}, the run record's fields) of the one offline run in ``run_dir``, once
+    the file holds the run record and ``steps`` history records. W&B's service process writes the file: in a
+    loaded test run the file held no record yet just after ``finish()`` returned, so it is read again until then."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        history, run = _read_history(run_dir)
+        if (run and len(history) >= steps) or time.monotonic() > deadline:
+            return history, run
+        time.sleep(0.2)
+
+
+def _read_history(run_dir) -> tuple[list[dict], dict]:
     from wandb.proto import wandb_internal_pb2 as pb
 
     (file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
@@ -68,7 +82,7 @@ def test_metrics_go_to_an_offline_wandb_run_step_by_step(tmp_path):
     for step, m in enumerate(STEPS, start=1):
         metrics.log(step, m)
     metrics.close()
-    history, run = logged_history(tmp_path)
+    history, run = logged_history(tmp_path, len(STEPS))
     assert run == {"id": wandb_run_id(tmp_path), "name": "exp/trial", "project": "hpcrl-test"}
     by_step = {h["_step"]: h for h in history}
     assert sorted(by_step) == [1, 2, 3]
