@@ -91,3 +91,12 @@ def test_a_value_engine_refuses_to_give_logprobs(tmp_path, method):
     engine = ValueEngine(tmp_path, TrainConfig(), total_steps=10)
     with pytest.raises(TypeError, match=r"a value model has no token logprobs; ValueEngine\.sequence_values"):
         getattr(engine, method)([])
+
+
+def test_a_critics_train_step_refuses_to_write_weights_for_the_servers():
+    from hpcrl.rpc.messages import SequenceBatch, TrainStep
+    from hpcrl.train.critic_service import CriticService
+
+    service = object.__new__(CriticService)  # the check comes before the engine is touched
+    with pytest.raises(ValueError, match="export_to='/w/v1'"):
+        service.train_step(TrainStep(SequenceBatch.pack([]), 1.0, export_to="/w/v1"))
