@@ -19,7 +19,11 @@ Why a heartbeat over the network rather than a parent-death signal or a file: on
 not the controller's children, and a node cut off from the network still sees a file on this machine's
 test cluster (one filesystem) but hears no heartbeat; the heartbeat is also how the controller sees that
 cut. Before its first renewal a worker gets its role's setup timeout on top (``grace_s``): the controller
-renews a worker only once it has registered, which is when its setup is done.
+renews a worker only once it has registered, which is when its setup is done. That grace ends when the worker
+serves its endpoint to register it: from then on it waits for a first renewal at most ``REGISTRY_SEEN_S`` (or a
+lease, if longer) for the controller to find the entry, plus the lease itself, so a controller that dies between
+a worker's registration and its first renewal does not leave the worker holding its node for the rest of the
+setup timeout.
 
 Every scheduler hands a worker its lease in the environment (``HPCRL_CONTROLLER_ID``, ``HPCRL_LEASE_S``,
 ``HPCRL_LEASE_GRACE_S``; ``worker_env``); ``Lease.from_env`` reads them.
@@ -53,6 +57,9 @@ LEASE_GRACE_S_ENV = "HPCRL_LEASE_GRACE_S"  # more time before the first one: the
 LEASE_EXPIRED_EXIT = 75  # a worker's exit code when its lease ran out and SIGTERM did not end it (EX_TEMPFAIL)
 EXIT_GRACE_S = 30.0  # how long a worker whose lease ran out gets to end its children after its own SIGTERM
 ROUTE = "/lease"
+# how long a new registry entry may take to be seen from the controller's node: the keeper reads the registry every
+# lease_s / 6, but an NFS client caches a directory's listing for up to acdirmax (60 s by default on Linux)
+REGISTRY_SEEN_S = 60.0
 
 
 def lease_env(controller: str, lease_s: float, grace_s: float) -> dict[str, str]:
@@ -92,12 +99,14 @@ class Lease:
         on_expire: Callable[[str], None],
         grace_s: float = 0.0,
         poll_s: float | None = None,
+        registry_seen_s: float = REGISTRY_SEEN_S,
     ):
         if lease_s <= 0:
             raise ValueError(f"a lease must last > 0 s, got {lease_s}")
         self.controller, self.lease_s, self.on_expire = controller, lease_s, on_expire
         self.poll_s = poll_s if poll_s is not None else min(1.0, lease_s / 10)
         self.deadline = time.monotonic() + lease_s + grace_s
+        self.registry_seen_s = registry_seen_s
         self.renewals = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -123,7 +132,10 @@ class Lease:
         return True
 
     def serve(self, token: str, host: str, port: int, advertise_host: str) -> str:
-        """Take heartbeats at ``POST /lease`` on a thread of its own; the address to register (extra["lease"])."""
+        """Take heartbeats at ``POST /lease`` on a thread of its own; the address to register (extra["lease"]).
+        The worker's setup is over: the rest of the setup grace goes (module doc)."""
+        first_renewal = max(self.lease_s, self.registry_seen_s) + self.lease_s
+        self.deadline = min(self.deadline, time.monotonic() + first_renewal)
         ready: list[str] = []
         started = threading.Event()
         self._server = threading.Thread(

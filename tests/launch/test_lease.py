@@ -43,6 +43,17 @@ def test_a_lease_that_is_not_renewed_expires_after_its_time_and_grace():
     assert "no word from controller c1" in expiry.why
 
 
+def test_a_worker_that_registered_and_was_never_renewed_expires_without_the_rest_of_its_setup_grace():
+    expiry = Expiry()
+    lease = Lease("c1", 0.4, expiry, grace_s=600, poll_s=0.02, registry_seen_s=0.5).start()
+    time.sleep(0.3)  # setting up, within the grace
+    start = time.monotonic()
+    lease.serve(TOKEN, "127.0.0.1", 0, "127.0.0.1")  # set up: its endpoint goes into the registry
+    assert expiry.done.wait(5), "the controller died before its first renewal: the worker must not wait 600 s"
+    assert 0.85 <= expiry.at - start < 1.4, expiry.at - start  # the registry's delay, then the lease
+    lease.stop()
+
+
 def post(address: str, body: bytes, token: str = TOKEN, path: str = "/lease") -> tuple[int, dict]:
     host, port = parse_hostport(address)
     conn = http.client.HTTPConnection(host, port, timeout=5)

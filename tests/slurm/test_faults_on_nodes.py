@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from hpcrl.launch.lease import REGISTRY_SEEN_S
 from hpcrl.launch.registry import Registry
 from tests.conftest import REPO
 
@@ -85,7 +86,9 @@ def test_a_sigkilled_controller_leaves_no_job_in_the_queue_once_the_leases_run_o
         proc.wait(10)
         time.sleep(3)
         assert queued(ids), "the worker jobs outlive their controller for a moment"
-        took = wait_gone(ids, LEASE_S + 60)  # the lease, the workers' own shutdown, Slurm's end of the job
+        # the lease (with the registry's delay, if the controller died before its first renewal), the workers'
+        # own shutdown, Slurm's end of the job
+        took = wait_gone(ids, REGISTRY_SEEN_S + LEASE_S + 60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
