@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from hpcrl.launch.lease import REGISTRY_SEEN_S
 from tests.conftest import REPO
 from tests.controller.test_job import processes_of, wait_for_steps
 
@@ -76,7 +77,9 @@ def test_a_sigkilled_controller_leaves_nothing_running_once_the_leases_run_out(t
         proc.wait(10)
         time.sleep(2)
         assert alive(procs), "the workers outlive their controller for a moment (their lease has not run out)"
-        took = wait_all_gone(procs, LEASE_S + 25)  # the lease, then the workers' own shutdown
+        # the lease (with the registry's delay, if the controller died before its first renewal), then the workers'
+        # own shutdown
+        took = wait_all_gone(procs, REGISTRY_SEEN_S + LEASE_S + 25)
     finally:
         for p in alive(the_run(proc, run_dir) if proc.poll() is None else []):
             p.kill()
