@@ -4,12 +4,13 @@ The controller's process records, on one monotonic clock, when each of these was
 intervals to OUT.json when the job ends: ``step`` (one ``Loop._step``: rollout wait, train, weight sync),
 ``gen`` (one generate request in flight to a server), ``train`` (one train-step RPC to the trainers), ``sync``
 (one weight push, servers paused), ``reward`` (one reward-pool call), ``eval``; and the parts of a push:
-``export`` (the trainers' export RPC), ``load`` (``/update_weights_from_disk`` on every server), ``pause`` (a
-pause or continue call, when a push makes them). When the step's last train call writes the servers' weights
-itself (the disk sync since the export went into the train step), the end of that call, as long as the
-trainer's ``time_weights_export_s``, is ``export`` and ``sync``, not ``train``. The wrappers are installed on
-the classes before the job builds anything; they only take the time, so the job runs its own code paths. A
-method a version of hpcrl lacks is skipped, so the same file times an older checkout too.
+``export`` (the trainers' export RPC, or the export at a train call's end: below), ``load``
+(``/update_weights_from_disk`` on every server), ``pause`` (a pause or continue call, when a push makes them).
+When the step's last train call writes the servers' weights itself (the disk sync since the export went into
+the train step), the end of that call, as long as the trainer's ``time_weights_export_s``, is ``export`` and
+``sync``, not ``train``. The wrappers are installed on the classes before the job builds anything; they only
+take the time, so the job runs its own code paths. A method a version of hpcrl lacks is skipped, so the same
+file times an older checkout too.
 """
 
 from __future__ import annotations
