@@ -323,6 +323,7 @@ def check_rollout(r: RolloutConfig) -> None:
     require(r.max_staleness >= 0, "rollout.max_staleness", r.max_staleness, "an integer >= 0")
     n = r.max_rejected_in_a_row
     require(n >= 0, "rollout.max_rejected_in_a_row", n, "an integer >= 0 (0 = 4 * rollout.prompts_per_step)")
+    require(r.max_empty_aborts >= 1, "rollout.max_empty_aborts", r.max_empty_aborts, "an integer >= 1")
     require(r.request_timeout_s > 0, "rollout.request_timeout_s", r.request_timeout_s, "seconds > 0")
     require(r.workers >= 0, "rollout.workers", r.workers, "an integer >= 0 (0 = episodes run in the controller)")
 

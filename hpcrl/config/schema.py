@@ -207,6 +207,7 @@ class RolloutConfig:
     max_concurrent: int = 512  # episodes in flight at once
     max_staleness: int = 0  # max policy versions an episode may lag the trainer; 0 = synchronous
     max_rejected_in_a_row: int = 0  # groups rejected in a row (any cause) that fail the run; 0 = 4 batches' worth
+    max_empty_aborts: int = 8  # a sample's answers in a row aborted with no token, not in a weight update, that fail it
     request_timeout_s: float = 120.0  # deadline of one generate request
     stop: list[str] = field(default_factory=list)  # stop strings sent with every rollout request
     workers: int = 0  # rollout worker processes running episodes (workflow + reward); 0 = in the controller
