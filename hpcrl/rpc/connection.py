@@ -6,7 +6,9 @@ moves the rest of that buffer down after every send: for a tensor of 64 MiB that
 payload and many moves of megabytes. Here the socket is non-blocking with a reader callback registered for
 the connection's life: a read of a large body (``read_into``) receives straight into its buffer, small reads
 (``read_exactly``) come out of a 64 KiB scratch buffer, and ``send`` hands the frame's buffers to ``sendmsg``
-as they are, waiting for the socket to be writable whenever the kernel's buffer is full. While a large read
+as they are, waiting for the socket to be writable whenever the kernel's buffer is full. A server's connection starts
+with a scratch buffer just large enough for the hello and grows it once the peer is authenticated
+(``grow_scratch``): one that never says hello holds about 1 KiB of it, not 64 KiB. While a large read
 waits, the socket's SO_RCVLOWAT is the bytes still missing (at most ``LOWAT_BYTES``): the kernel wakes the
 event loop once that much has arrived, not for each 64 KiB segment, each wake-up a turn of the event loop
 (this halved a 1 MiB call's CPU time on the receiving side, on 2 cores). One coroutine reads
@@ -35,14 +37,14 @@ class ConnectionEnded(ConnectionError):
 
 
 class Connection:
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, scratch_bytes: int = SCRATCH_BYTES):
         self._loop = asyncio.get_running_loop()
         sock.setblocking(False)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a reply's header must not wait
         self._sock, self._fd = sock, sock.fileno()
         self.peer = _peer(sock)
-        self._scratch = memoryview(bytearray(SCRATCH_BYTES))
+        self._scratch = memoryview(bytearray(scratch_bytes))
         self._start = self._end = 0  # unread bytes are scratch[start:end]
         self._target: memoryview | None = None  # a read_into's buffer, while the scratch buffer is empty
         self._filled = 0
@@ -75,6 +77,16 @@ class Connection:
         out = bytes(self._scratch[self._start : self._start + n])
         self._consumed(n)
         return out
+
+    def grow_scratch(self, n: int) -> None:
+        """Let small reads, and what is read ahead of them, take up to ``n`` bytes; what is unread is kept.
+        Not while a read waits."""
+        if n <= len(self._scratch):
+            return
+        unread = self._end - self._start
+        bigger = memoryview(bytearray(n))
+        bigger[:unread] = self._scratch[self._start : self._end]
+        self._scratch, self._start, self._end = bigger, 0, unread
 
     async def read_into(self, buf: memoryview) -> None:
         """Fill ``buf`` with the next ``len(buf)`` bytes; most of a large one is received into it directly."""

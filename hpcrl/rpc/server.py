@@ -17,6 +17,18 @@ the client refuses those calls itself. A connection that has not sent its hello 
 is closed, and bytes that are not a hello (an HTTP request, say) get one line of text saying what this
 port speaks, and the connection is closed.
 
+Connections not yet authenticated are capped: at most ``max_pending_hellos`` wait for their hello (or linger
+after their refusal) at once, each with a buffer of about 1 KiB (``HELLO_SCRATCH_BYTES``; 64 KiB once
+authenticated). At the cap the server accepts no more, so further connections wait in the kernel's listen
+backlog: a burst of legitimate clients (the controller opens up to ``rollout.max_concurrent`` connections to
+one rollout worker at once) is slowed by a few milliseconds, not refused. And so that idle connections (a
+port scanner's, a stray client's) cannot lock the clients out for the hello timeout, the oldest of them is
+closed once it has waited ``crowded_hello_s`` at the cap, to make room: a client sends its hello as soon as
+it has connected, so one that has said nothing for a second while others queue behind it is not one. A
+client queued behind N idle connections gets in after about N / ``max_pending_hellos`` x ``crowded_hello_s``.
+``on_authenticated`` is called (on the event loop) for every connection whose token is right: a worker's
+lease learns from it that its controller has reached it (``hpcrl/launch/lease.py``).
+
 Handlers run on one dedicated daemon thread, in the order their requests were decoded: trainer
 handlers issue torch collectives, which must run in the same order on every rank. The event loop
 keeps answering (and refusing) requests while a handler runs. A coroutine handler (``async def``)
@@ -51,7 +63,7 @@ from typing import Any
 
 from hpcrl.net import discover_host, family_of, format_hostport, is_ipv6
 from hpcrl.rpc import auth
-from hpcrl.rpc.connection import Connection, ConnectionEnded
+from hpcrl.rpc.connection import SCRATCH_BYTES, Connection, ConnectionEnded
 from hpcrl.rpc.handler_thread import Call, HandlerThread
 from hpcrl.rpc.messages import MESSAGES, Ack, ErrorReply, Welcome
 from hpcrl.rpc.transport import (
@@ -73,6 +85,9 @@ log = logging.getLogger(__name__)
 Handler = Callable[[Any], Any]
 _WILDCARDS = ("", "0.0.0.0", "::")
 LINGER_S = 2.0  # after a refusal, how long the server drains what the peer still sends before it closes
+MAX_PENDING_HELLOS = 64  # connections not yet authenticated at once; more wait in the kernel's listen backlog
+CROWDED_HELLO_S = 1.0  # at that cap, how long the oldest may wait for its hello before it is closed to make room
+HELLO_SCRATCH_BYTES = HELLO.size + MAX_TOKEN_BYTES  # a connection's read buffer until it is authenticated
 
 
 class _Refused(Exception):
@@ -97,16 +112,23 @@ class RpcServer:
         thread_init: Callable[[], None] | None = None,
         shutdown_timeout_s: float = 5.0,
         hello_timeout_s: float = 30.0,
+        max_pending_hellos: int = MAX_PENDING_HELLOS,
+        crowded_hello_s: float = CROWDED_HELLO_S,
+        on_authenticated: Callable[[], None] | None = None,
     ):
         bad = [m for m in handlers if not METHOD_NAME.match(m)]
         if bad:
             raise ValueError(f"RPC method names must match {METHOD_NAME.pattern}, got {bad}")
         if not token:
             raise ValueError("token must not be empty; read it with hpcrl.rpc.auth.read_token(run_dir)")
+        if max_pending_hellos < 1:
+            raise ValueError(f"max_pending_hellos must be >= 1, got {max_pending_hellos}")
         self.handlers, self.token, self.rank = dict(handlers), token, rank
         self.host, self.port, self.max_body_bytes = host, port, max_body_bytes
         self.advertise_host, self.thread_init, self.shutdown_timeout_s = advertise_host, thread_init, shutdown_timeout_s
         self.hello_timeout_s = hello_timeout_s
+        self.max_pending_hellos, self.crowded_hello_s = max_pending_hellos, crowded_hello_s
+        self.on_authenticated = on_authenticated
         self.address: str | None = None  # host:port peers dial, set once listening
         self.connections_accepted = 0  # TCP connections accepted so far (clients keep theirs open)
         self._request_types = {m: _request_type(h) for m, h in self.handlers.items()}
@@ -119,6 +141,8 @@ class RpcServer:
         self._error: BaseException | None = None
         self._worker: HandlerThread | None = None
         self._tasks: set[asyncio.Task] = set()  # one per open connection
+        self._unauthenticated: dict[Connection, float] = {}  # connection -> when accepted, oldest first
+        self._authenticated: asyncio.Event | None = None  # set when one leaves _unauthenticated
         self._busy = 0  # requests read and not yet answered (the handler thread ends some)
         self._busy_lock = threading.Lock()
         self._init_error: BaseException | None = None  # what thread_init raised: every request gets it (500)
@@ -210,19 +234,55 @@ class RpcServer:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    @property
+    def pending_hellos(self) -> int:
+        """Connections accepted and not yet authenticated (waiting for their hello, or refused and lingering)."""
+        return len(self._unauthenticated)
+
     async def _accept(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
+        self._authenticated = asyncio.Event()
         while True:
+            await self._room_for_a_hello()
             try:
                 sock, _ = await loop.sock_accept(listener)
+                conn = Connection(sock, HELLO_SCRATCH_BYTES)
             except OSError as e:  # out of file descriptors, say: the connections already open go on
                 log.warning("RPC server of rank %d could not accept a connection: %r", self.rank, e)
                 await asyncio.sleep(0.1)
                 continue
             self.connections_accepted += 1
-            task = asyncio.create_task(self._serve_connection(sock))
+            self._unauthenticated[conn] = time.monotonic()
+            task = asyncio.create_task(self._serve_connection(conn))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    async def _room_for_a_hello(self) -> None:
+        """Return once fewer than ``max_pending_hellos`` connections are unauthenticated; at the cap, the oldest
+        is closed once it has waited ``crowded_hello_s`` (module doc)."""
+        while len(self._unauthenticated) >= self.max_pending_hellos:
+            oldest, accepted = next(iter(self._unauthenticated.items()))
+            wait_s = accepted + self.crowded_hello_s - time.monotonic()
+            if wait_s <= 0:
+                log.warning(
+                    "closed a connection from %s: no hello within %.1f s while %d connections waited for theirs "
+                    "(max_pending_hellos)",
+                    oldest.peer,
+                    time.monotonic() - accepted,
+                    len(self._unauthenticated),
+                )
+                self._authenticated_or_gone(oldest)
+                oldest.close()  # its hello's read raises ConnectionEnded: the connection's task ends
+                continue
+            self._authenticated.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait_s):
+                    await self._authenticated.wait()
+
+    def _authenticated_or_gone(self, conn: Connection) -> None:
+        """``conn`` no longer counts against ``max_pending_hellos``."""
+        if self._unauthenticated.pop(conn, None) is not None and self._authenticated is not None:
+            self._authenticated.set()
 
     def _advertised_host(self) -> str:
         if self.advertise_host:
@@ -231,8 +291,8 @@ class RpcServer:
 
     # --- one connection ---------------------------------------------------------------------------------
 
-    async def _serve_connection(self, sock: socket.socket) -> None:
-        conn, previous = Connection(sock), _InFlight()
+    async def _serve_connection(self, conn: Connection) -> None:
+        previous = _InFlight()
         try:
             if await self._greet(conn):
                 while await self._serve_request(conn, previous):
@@ -248,6 +308,7 @@ class RpcServer:
             log.exception("RPC server of rank %d failed on a request from %s", self.rank, conn.peer)
             await self._refuse(conn, _Refused(500, "", type(e).__name__, f"the RPC server failed: {e}"))
         finally:
+            self._authenticated_or_gone(conn)
             conn.close()
 
     async def _greet(self, conn: Connection) -> bool:
@@ -264,6 +325,10 @@ class RpcServer:
             log.warning("refused a connection from %s: missing or wrong token", conn.peer)
             message = "missing or wrong token; the client must present the run's <run_dir>/secret"
             raise _Refused(401, "", "AuthError", message)
+        if self.on_authenticated is not None:
+            self.on_authenticated()
+        self._authenticated_or_gone(conn)
+        conn.grow_scratch(SCRATCH_BYTES)
         await conn.send(reply_parts(200, encode_parts(Welcome(self.rank, self._known, self.max_body_bytes))))
         return True
 

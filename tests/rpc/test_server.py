@@ -8,6 +8,7 @@ import os
 import socket
 import threading
 import time
+import tracemalloc
 import weakref
 
 import pytest
@@ -27,6 +28,7 @@ from hpcrl.rpc import (
     encode,
 )
 from hpcrl.rpc.messages import Ack, Echo, ErrorReply, Ping, Pong, Welcome
+from hpcrl.rpc.server import MAX_PENDING_HELLOS
 from hpcrl.rpc.transport import HELLO
 from tests.rpc.conftest import TOKEN, Counting, RawConnection, assert_same, sample
 
@@ -149,6 +151,61 @@ def test_a_connection_that_sends_no_hello_is_closed_after_the_hello_timeout(serv
             assert raw.closed_by_server()
             assert time.monotonic() - began < 5
     assert call(address, "echo", Ping()) == Ping()
+
+
+def idle_connections(address: str, n: int) -> list[socket.socket]:
+    """``n`` connections that never say hello (a port scanner's, say)."""
+    return [socket.create_connection(parse_hostport(address), timeout=10) for _ in range(n)]
+
+
+def test_connections_without_a_hello_are_capped_and_hold_little_memory(serve):
+    server, address = serve({"echo": Counting()})  # the default cap; the hello timeout (30 s) does not come
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        idle = idle_connections(address, 300)
+        deadline = time.monotonic() + 10
+        while server.connections_accepted < MAX_PENDING_HELLOS and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # time to accept more, if it would
+        accepted = server.connections_accepted
+        grown = tracemalloc.get_traced_memory()[1] - before  # the peak
+    finally:
+        tracemalloc.stop()
+    # the rest wait in the kernel's listen backlog (the oldest make room only after CROWDED_HELLO_S)
+    assert accepted == MAX_PENDING_HELLOS, f"{accepted} connections without a hello accepted"
+    assert grown < 1 << 20, f"{grown} bytes for {accepted} idle connections"  # buffers of 1 KiB, not 64 KiB
+    assert server.pending_hellos == MAX_PENDING_HELLOS
+    for sock in idle:
+        sock.close()
+    assert call(address, "echo", Ping()) == Ping()
+
+
+def test_a_client_gets_in_while_idle_connections_fill_the_cap_and_the_oldest_make_room(serve):
+    server, address = serve({"echo": Counting()}, max_pending_hellos=4, crowded_hello_s=0.3, hello_timeout_s=60)
+    idle = [RawConnection(address, timeout_s=10) for _ in range(3 * 4)]  # the cap, and twice as many queued
+    assert call(address, "echo", Ping(), connect_timeout_s=10) == Ping()  # not locked out for the hello timeout
+    # accepted after all 12, with at most 3 of them still waiting: the 9 oldest were closed to make room, long
+    # before the hello timeout (else recv's 10 s timeout raises)
+    assert all(raw.closed_by_server() for raw in idle[:9])
+    assert server.connections_accepted == 13 and server.pending_hellos <= 3
+    for raw in idle:
+        raw.sock.close()
+
+
+def test_a_burst_of_clients_larger_than_the_cap_is_slowed_not_refused(serve):
+    async def slow(msg):
+        await asyncio.sleep(0.2)  # every call holds its connection: 40 connections are opened at once
+        return msg
+
+    server, address = serve({"slow": slow}, max_pending_hellos=2)
+
+    async def go():
+        async with RpcClient([address], TOKEN, max_connections=40) as client:
+            return await asyncio.gather(*(client.call("slow", [Echo([], str(i))]) for i in range(40)))
+
+    assert [reply.note for (reply,) in asyncio.run(go())] == [str(i) for i in range(40)]
+    assert server.connections_accepted == 40
 
 
 def test_another_transport_version_is_refused(serve):
