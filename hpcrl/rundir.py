@@ -65,7 +65,9 @@ class RunDir:
 
 
 def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
-    """Write a file so that readers see either the old content or the whole new one, never a part."""
+    """Write a file so that readers see either the old content or the whole new one, never a part, and so that
+    the new one survives a crash of the node once this returns (the file fsynced, renamed over, its directory
+    fsynced)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "w") as f:
@@ -77,3 +79,13 @@ def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory, so the entries created or renamed in it survive a crash of the node."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

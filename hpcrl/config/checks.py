@@ -49,6 +49,8 @@ def validate(cfg: Config) -> Config:
     check_model(cfg.model)
     dataset = check_dataset(cfg.dataset)
     check_train(cfg.train)
+    check_schedule(cfg)
+    check_minibatches(cfg)
     check_rollout(cfg.rollout)
     check_workflow(cfg.workflow)
     check_plugin_prompts(cfg.workflow, dataset)
@@ -301,6 +303,28 @@ def check_train(t: TrainConfig) -> None:
     require(mb >= 1, "train.weight_sync_bucket_mb", mb, "MiB >= 1 (one /update_weights_from_distributed call)")
 
 
+def check_schedule(cfg: Config) -> None:
+    """A cosine schedule decays after its warm-up, within the run (both in run steps)."""
+    t, steps = cfg.train, cfg.run.max_steps
+    if t.lr_schedule == "cosine" and t.warmup_steps >= steps:
+        expected = f"fewer than run.max_steps={steps} with train.lr_schedule=cosine (it decays after the warm-up)"
+        raise ConfigError("train.warmup_steps", t.warmup_steps, expected)
+
+
+def check_minibatches(cfg: Config) -> None:
+    """Every step takes exactly ``algorithm.updates_per_batch`` updates, each on a minibatch of whole groups (of
+    samples with ``algorithm.shuffle_minibatches``): the batch must hold at least that many."""
+    a, groups = cfg.algorithm, cfg.rollout.prompts_per_step
+    if a.shuffle_minibatches:
+        parts, holds = groups * a.group_size, f"{groups * a.group_size} samples (rollout.prompts_per_step={groups} "
+        holds += f"x algorithm.group_size={a.group_size}), and each update takes at least one"
+    else:
+        parts, holds = groups, f"{groups} groups (rollout.prompts_per_step), and each update takes whole groups"
+    if a.updates_per_batch > parts:
+        expected = f"at most {parts}: a step's batch holds {holds}"
+        raise ConfigError("algorithm.updates_per_batch", a.updates_per_batch, expected)
+
+
 def check_weight_sync(t: TrainConfig, allocation: AllocationConfig) -> None:
     """Trainers on GPUs send over nccl, which hpcrl's CPU server cannot receive."""
     on_gpu = bool(allocation.trainer.gpus_per_worker)
@@ -317,8 +341,11 @@ def check_rollout(r: RolloutConfig) -> None:
     require(r.prompts_per_step >= 1, "rollout.prompts_per_step", r.prompts_per_step, "an integer >= 1")
     require(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, "an integer >= 1")
     require(r.temperature > 0, "rollout.temperature", r.temperature, "a number > 0")
-    require(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "a number in (0, 1]")
-    require(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", r.top_k, "-1 (off) or an integer >= 1")
+    # the servers sample from the truncated distribution but report the full one's logprobs, and the trainer
+    # computes the full one's: every PPO ratio would be wrong (held-out evaluation is greedy, where neither matters)
+    why = "(the servers would sample from the truncated distribution, the trainer's ratio is of the full one)"
+    require(r.top_p == 1, "rollout.top_p", r.top_p, f"1.0 for training rollouts {why}")
+    require(r.top_k == -1, "rollout.top_k", r.top_k, f"-1 (off) for training rollouts {why}")
     require(r.max_concurrent >= 1, "rollout.max_concurrent", r.max_concurrent, "an integer >= 1")
     require(r.max_staleness >= 0, "rollout.max_staleness", r.max_staleness, "an integer >= 0")
     n = r.max_rejected_in_a_row

@@ -189,8 +189,8 @@ class TrainConfig:
     lr: float = 5e-4  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max global gradient norm; 0 = no clipping
-    warmup_steps: int = 0  # linear LR warm-up steps
-    lr_schedule: str = "constant"  # constant | cosine (after warm-up)
+    warmup_steps: int = 0  # linear LR warm-up, in run steps (each counts algorithm.updates_per_batch updates)
+    lr_schedule: str = "constant"  # constant | cosine (after warm-up; 0 after the run's last update)
     micro_batch_tokens: int = 8192  # tokens per micro-batch on one rank
     critic_lr: float = 2e-3  # the critic's AdamW learning rate (its other settings are the ones above)
     weight_sync: str = "disk"  # how trainers push weights to servers: disk | distributed
@@ -202,8 +202,8 @@ class RolloutConfig:
     prompts_per_step: int = 64  # prompts in one train step's batch (each sampled group_size times)
     max_new_tokens: int = 4  # new tokens per sample; always sent to the server
     temperature: float = 1.0  # sampling temperature; logprobs are of the tempered distribution
-    top_p: float = 1.0  # nucleus sampling mass
-    top_k: int = -1  # top-k sampling; -1 = off
+    top_p: float = 1.0  # nucleus sampling mass: 1 only (logprobs are the full distribution's; see checks.py)
+    top_k: int = -1  # top-k sampling: -1 (off) only, as top_p
     max_concurrent: int = 512  # episodes in flight at once
     max_staleness: int = 0  # max policy versions an episode may lag the trainer; 0 = synchronous
     max_rejected_in_a_row: int = 0  # groups rejected in a row (any cause) that fail the run; 0 = 4 batches' worth

@@ -20,6 +20,7 @@ rollout.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import random
@@ -243,7 +244,8 @@ class Loop:
         metrics: dict[str, Any] = rollout_stats(groups, version)
         rewards = [sample.reward for group in groups for sample in group.samples]  # to_sequences' order
         export_to = await sync.export_path(step)  # disk sync: the last train call writes the servers' weights
-        results = await self._train_on(to_sequences(groups, cfg.algorithm), rewards, metrics, step, export_to)
+        sizes = [len(group.samples) for group in groups]  # to_sequences' sequences, group by group
+        results = await self._train_on(to_sequences(groups, cfg.algorithm), sizes, rewards, metrics, step, export_to)
         t2 = time.monotonic()
         await self._push(sync, step, exported=bool(export_to))
         executor.set_version(step)  # starts the groups the new version lets start
@@ -267,14 +269,16 @@ class Loop:
     async def _train_on(
         self,
         sequences: list[SequenceData],
+        group_sizes: list[int],
         rewards: list[float],
         metrics: dict[str, Any],
         step: int,
         export_to: str = "",
     ) -> list[dict[str, float]]:
         """``algorithm.updates_per_batch`` optimizer updates, each on its own disjoint part of the batch
-        (``_minibatches``); with a critic, its update on the same part at the same time (its metrics prefixed
-        ``critic_``). The last update writes the servers' weights to ``export_to`` when it is not "".
+        (``_minibatches``: whole groups, ``group_sizes`` sequences each in batch order); with a critic, its update on
+        the same part at the same time (its metrics prefixed ``critic_``). The last update writes the servers'
+        weights to ``export_to`` when it is not "".
 
         First, at once: decoupled PPO's proximal logprobs (the policy before this step's first update, taken once
         for the whole batch, so every part's ratio is against the same policy) and the critic's values, from which
@@ -282,7 +286,8 @@ class Loop:
         trainers, critics = self.w.trainers, self.w.critics
         await asyncio.gather(self._proximal(sequences), self._gae(sequences, rewards, metrics))
         results = []
-        chunks = _minibatches(sequences, self.cfg.algorithm, derive_seed(self.cfg.run.seed, "minibatches", step))
+        seed = derive_seed(self.cfg.run.seed, "minibatches", step)
+        chunks = _minibatches(sequences, group_sizes, self.cfg.algorithm, seed)
         for i, chunk in enumerate(chunks):
             export = export_to if i == len(chunks) - 1 else ""
             if critics is None:
@@ -475,15 +480,31 @@ def _check_with_critic(path) -> str | None:
     return problem or (f"the critic's part: {critic}" if critic else None)
 
 
-def _minibatches(items: list, algorithm: AlgorithmConfig, seed: int | None) -> list[list]:
-    """``algorithm.updates_per_batch`` disjoint, contiguous parts of ``items`` (whole groups, in batch order); with
+def _minibatches(items: list, group_sizes: list[int], algorithm: AlgorithmConfig, seed: int | None) -> list[list]:
+    """``algorithm.updates_per_batch`` disjoint parts of ``items``, each of whole groups in batch order
+    (``group_sizes[g]`` items each, the parts' group counts differing by at most one); with
     ``algorithm.shuffle_minibatches``, parts of a copy shuffled by ``seed`` instead (a sample's group mates may land
-    in other parts), as TRL splits its generation batch and PPO implementations draw their minibatches."""
-    if algorithm.shuffle_minibatches:
+    in other parts), as TRL splits its generation batch and PPO implementations draw their minibatches. Fewer
+    groups (or samples) than parts is a ValueError: the config check refuses such a run before it starts."""
+    parts, shuffled = algorithm.updates_per_batch, algorithm.shuffle_minibatches
+    if sum(group_sizes) != len(items):
+        raise ValueError(f"{len(items)} sequences, but the groups hold {sum(group_sizes)}")
+    count, unit = (len(items), "samples") if shuffled else (len(group_sizes), "groups")
+    if count < parts:
+        raise ValueError(f"algorithm.updates_per_batch={parts} minibatches cannot be made of {count} {unit}")
+    if shuffled:
         items = list(items)
         random.Random(seed).shuffle(items)
-    size = -(-len(items) // algorithm.updates_per_batch)
-    return [items[i : i + size] for i in range(0, len(items), size)]
+        bounds = _even_bounds(len(items), parts)
+    else:
+        starts = list(itertools.accumulate(group_sizes, initial=0))
+        bounds = [starts[g] for g in _even_bounds(len(group_sizes), parts)]
+    return [items[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def _even_bounds(n: int, parts: int) -> list[int]:
+    """Where ``parts`` near-equal slices of ``n`` things start, and ``n``: their sizes differ by at most one."""
+    return [i * n // parts for i in range(parts + 1)]
 
 
 def _episode_error_cause(error: BaseException) -> str | None:

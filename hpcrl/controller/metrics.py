@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.config.schema import MetricsConfig, WandbConfig
-from hpcrl.rundir import write_atomic
+from hpcrl.rundir import fsync_dir, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class MetricsLog:
                 log.info("dropped %d line(s) after step %d from %s: they run again", dropped, keep_until, self.path)
             purge_step = keep_until + 1
         self._file = self.path.open("a")
+        self._entry_synced = False  # the file's directory entry: a resume's cut renamed over it, or open made it
         self._tb = None
         if "tensorboard" in settings.loggers:
             from torch.utils.tensorboard import SummaryWriter
@@ -77,8 +78,13 @@ class MetricsLog:
         """The lines so far on disk (fsync). The loop calls it before it marks a checkpoint complete, so a crash, of
         the node too, cannot leave a checkpoint that covers a step whose line is lost; lines after the newest
         checkpoint are not synced (an fsync a step cost the default job 0.4% of its time): a resume trains their
-        steps again and logs them again."""
+        steps again and logs them again. The first call fsyncs the run directory too, whose entry of the file is
+        new (made by this run, or renamed over by a resume's ``cut_metrics``, which fsyncs it as well): without it
+        a node's crash could bring back a complete checkpoint with no metrics file, or the old one."""
         os.fsync(self._file.fileno())
+        if not self._entry_synced:
+            fsync_dir(self.path.parent)
+            self._entry_synced = True
 
     def close(self) -> None:
         self._file.close()

@@ -10,9 +10,10 @@
 Saving (the loop, between steps, every ``checkpoint.every_steps`` steps): the controller's state is taken (step,
 weight version, data position, RNG states, counters, eval accuracy) -> the trainers write ``step_NNNNNN``, every
 file fsynced, then the directory, renamed into place and the parent fsynced -> the step's metrics line is
-written and fsynced -> ``controller.json`` is written into the step directory (fsynced, renamed over, the
-directory fsynced): now the checkpoint is complete -> complete checkpoints older than the newest
-``checkpoint.keep`` are deleted -> ``latest`` is replaced (a temporary file renamed over it, fsynced). So a
+written and fsynced (the first time, the run directory too: its entry of ``metrics.jsonl``) -> ``controller.json``
+is written into the step directory (fsynced, renamed over, the directory fsynced): now the checkpoint is complete
+-> complete checkpoints older than the newest ``checkpoint.keep`` are deleted -> ``latest`` is replaced (a
+temporary file renamed over it, fsynced, the directory fsynced). So a
 crash of the node at any moment leaves every earlier checkpoint whole (a prune starts once the new one is
 complete and on disk) and, at worst, a ``.partial`` directory or a step directory without ``controller.json``.
 
@@ -39,8 +40,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcrl.rundir import write_atomic
-from hpcrl.train.checkpoint import check_checkpoint, fsync_dir
+from hpcrl.rundir import fsync_dir, write_atomic
+from hpcrl.train.checkpoint import check_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +88,11 @@ class Checkpoints:
     def publish(self, state: ControllerState) -> Path:
         """Mark the checkpoint of ``state.step`` complete (the trainers' part is written); point ``latest`` at it."""
         path = self.step_dir(state.step)
-        write_atomic(path / CONTROLLER_FILE, state.to_json())  # fsynced, then renamed into place
-        fsync_dir(path)  # the rename: from here on the checkpoint is complete, even after a crash of the node
+        # fsynced, renamed into place, the directory fsynced: from here on the checkpoint is complete, even after a
+        # crash of the node
+        write_atomic(path / CONTROLLER_FILE, state.to_json())
         self.prune()
         write_atomic(self.directory / LATEST_FILE, path.name + "\n")
-        fsync_dir(self.directory)
         return path
 
     def prune(self) -> list[str]:

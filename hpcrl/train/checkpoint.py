@@ -23,6 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from hpcrl.rundir import fsync_dir
 from hpcrl.train.engine import Engine, run_on_main
 
 logger = logging.getLogger(__name__)
@@ -97,15 +98,6 @@ def write_synced(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory, so the entries created or renamed in it survive a crash of the node."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def check_checkpoint(directory: str | Path) -> str | None:

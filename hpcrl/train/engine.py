@@ -66,11 +66,14 @@ class Engine:
         dtype: str = "float32",
         dist: DistInfo | None = None,
         total_steps: int = 0,
+        updates_per_step: int = 1,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"model.dtype must be one of {DTYPES}, got {dtype!r}")
         if train.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"train.lr_schedule must be one of {LR_SCHEDULES}, got {train.lr_schedule!r}")
+        if updates_per_step < 1:
+            raise ValueError(f"updates_per_step must be >= 1 (algorithm.updates_per_batch), got {updates_per_step}")
         if train.lr_schedule == "cosine" and total_steps <= train.warmup_steps:
             raise ValueError(
                 f"train.lr_schedule=cosine decays over total_steps={total_steps}, which must exceed "
@@ -84,7 +87,9 @@ class Engine:
         self.train = train
         self.dtype = dtype
         self.dist = dist
-        self.total_steps = total_steps
+        # the schedule counts optimizer updates: a run step takes updates_per_step of them
+        self.warmup_updates = train.warmup_steps * updates_per_step
+        self.total_updates = total_steps * updates_per_step
         self.step = 0  # optimizer steps taken; checkpoints save and restore it
         self.model: PreTrainedModel | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -165,13 +170,16 @@ class Engine:
             )
         return MixedPrecisionPolicy()
 
-    def _lr_factor(self, step: int) -> float:
-        warmup = self.train.warmup_steps
-        if step < warmup:
-            return (step + 1) / warmup  # the first step already learns, at lr / warmup
+    def _lr_factor(self, update: int) -> float:
+        """The learning rate of optimizer update ``update`` (from 0) over ``train.lr``: a linear warm-up over
+        ``warmup_updates``, then constant or a cosine that reaches 0 after the run's last update (``total_updates``),
+        so the last update still learns, at the smallest rate of the run."""
+        warmup = self.warmup_updates
+        if update < warmup:
+            return (update + 1) / warmup  # the first update already learns, at lr / warmup
         if self.train.lr_schedule == "constant":
             return 1.0
-        progress = min(1.0, (step - warmup) / (self.total_steps - warmup))
+        progress = min(1.0, (update - warmup) / (self.total_updates - warmup))
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     def require_setup(self) -> tuple[PreTrainedModel, DistInfo]:

@@ -6,8 +6,9 @@ value model of ``value_engine.py``, from ``model.critic_path`` or the policy's w
 weight-update group's rendezvous on another port of that slot, on this node, when asked), registers
 ``host:port`` in the run's registry (which tells the controller it is ready) and serves until the controller
 sends ``shutdown``. It holds a lease on the controller (an endpoint of its own on another port,
-``hpcrl/launch/lease.py``): with no heartbeat for ``cluster.worker_lease_s`` the rank SIGTERMs itself, and
-torchrun then ends the other ranks. torch is imported late so argument errors come back at once.
+``hpcrl/launch/lease.py``): with no heartbeat for ``cluster.worker_lease_s`` (its setup grace over at the
+controller's first RPC connection) the rank SIGTERMs itself, and torchrun then ends the other ranks. torch is
+imported late so argument errors come back at once.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.setup()
         reference = None
         if args.role == "trainer" and cfg.algorithm.kl.coef > 0:  # the KL penalty's frozen initial policy, sharded
-            reference = Engine(cfg.model.path, cfg.train, cfg.model.dtype, info, total_steps=cfg.run.max_steps)
+            reference = Engine(cfg.model.path, cfg.train, cfg.model.dtype, info, **_schedule(cfg))
             reference.setup()
         advertised, bind = worker_addresses(cfg.cluster.net)
         # this rank's own port slice: its RPC port, and on rank 0 the weight-update group's rendezvous
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             port=port,
             advertise_host=advertised,
             thread_init=(lambda: torch.cuda.set_device(info.device)) if on_gpu else None,
+            on_authenticated=lease.contact if lease else None,  # the controller's first call ends the setup grace
         )
         server.start_in_thread()
         token = read_token(run_dir.path)
@@ -105,8 +107,14 @@ def _engine(role: str, cfg, info):
 
     if role == "critic":
         path = cfg.model.critic_path or cfg.model.path
-        return ValueEngine(path, cfg.train, cfg.model.dtype, info, total_steps=cfg.run.max_steps)
-    return Engine(cfg.model.path, cfg.train, cfg.model.dtype, info, total_steps=cfg.run.max_steps)
+        return ValueEngine(path, cfg.train, cfg.model.dtype, info, **_schedule(cfg))
+    return Engine(cfg.model.path, cfg.train, cfg.model.dtype, info, **_schedule(cfg))
+
+
+def _schedule(cfg) -> dict[str, int]:
+    """What the LR schedule counts: the run's steps, each ``algorithm.updates_per_batch`` optimizer updates (the
+    policy's and the critic's alike: the critic updates on the same minibatches)."""
+    return {"total_steps": cfg.run.max_steps, "updates_per_step": cfg.algorithm.updates_per_batch}
 
 
 if __name__ == "__main__":

@@ -134,6 +134,8 @@ def test_multirun_fails_before_the_launcher_submits(main_cli, tmp_path):
         (["algorithm.behavior_weight_cap=0.5"], "algorithm.behavior_weight_cap", "a cap >= 1"),
         (["rollout.max_staleness=-1"], "rollout.max_staleness", "an integer >= 0"),
         (["rollout.temperature=0"], "rollout.temperature", "a number > 0"),
+        (["rollout.top_p=0.9"], "rollout.top_p", "1.0 for training rollouts (the servers would sample from the trunc"),
+        (["rollout.top_k=5"], "rollout.top_k", "-1 (off) for training rollouts"),
         (["train.lr=0"], "train.lr", "a number > 0"),
         (["train.weight_sync=nfs"], "train.weight_sync", "one of disk, distributed"),
         (["model=local"], "model.path", "a local model directory"),
@@ -152,6 +154,26 @@ def test_multirun_fails_before_the_launcher_submits(main_cli, tmp_path):
         (["algorithm=ppo", "algorithm.value_clip=-1"], "algorithm.value_clip", ">= 0 (0 = no value clipping)"),
         (["algorithm=ppo", "train.critic_lr=0"], "train.critic_lr", "a number > 0"),
         (["algorithm=ppo", "allocation.spec=cpu:d1+fsdp:d2g0+critic:d2g0n2"], "allocation.critic.nodes", "1 on"),
+        (
+            ["train.lr_schedule=cosine", "train.warmup_steps=10", "run.max_steps=10"],
+            "train.warmup_steps",
+            "fewer than run.max_steps=10 with train.lr_schedule=cosine",
+        ),
+        (
+            ["rollout.prompts_per_step=3", "algorithm.updates_per_batch=4"],
+            "algorithm.updates_per_batch",
+            "at most 3: a step's batch holds 3 groups (rollout.prompts_per_step), and each update takes whole groups",
+        ),
+        (
+            [
+                "rollout.prompts_per_step=1",
+                "algorithm.group_size=2",
+                "algorithm.updates_per_batch=3",
+                "algorithm.shuffle_minibatches=true",
+            ],
+            "algorithm.updates_per_batch",
+            "at most 2: a step's batch holds 2 samples (rollout.prompts_per_step=1 x algorithm.group_size=2)",
+        ),
     ],
 )
 def test_checks_name_the_field_and_the_expected_form(overrides, path, expected):

@@ -67,7 +67,7 @@ def test_the_critics_values_come_first_beside_the_proximal_logprobs_and_both_tra
         loop = make_loop(tmp_path, cfg, trainers=trainers, critics=critics)
         metrics = {}
         batch = [replace(sequence(n), input_ids=[n] * n) for n in (3, 4, 5, 6)]
-        results = await loop._train_on(batch, [1.0, 0.0, 1.0, 0.0], metrics, step=1)
+        results = await loop._train_on(batch, [2, 2], [1.0, 0.0, 1.0, 0.0], metrics, step=1)
         return trainers, critics, results, metrics
 
     trainers, critics, results, metrics = asyncio.run(run())

@@ -1,6 +1,7 @@
 """``python -m hpcrl.main`` end to end on this machine: real servers, torchrun trainers, RPC, HTTP."""
 
 import json
+import math
 import os
 import re
 import signal
@@ -35,6 +36,14 @@ def wait_for_steps(proc, run_dir, steps: int, timeout_s: float = 300) -> None:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         assert time.monotonic() < deadline, f"fewer than {steps} training steps within {timeout_s} s"
         time.sleep(0.2)
+
+
+def cosine_factor(update: int, warmup: int, total: int) -> float:
+    """The learning rate of optimizer update ``update`` (from 0) over train.lr: linear warm-up, then a cosine that
+    reaches 0 after update ``total``."""
+    if update < warmup:
+        return (update + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * (update - warmup) / (total - warmup)))
 
 
 def frozen_heaps(run_dir) -> dict[str, list[int]]:
@@ -84,9 +93,16 @@ def test_every_trained_token_is_within_the_staleness_bound(tmp_path, staleness, 
         f"allocation.trainer.workers={trainers}",
     ]
     overrides += ["eval.stop_at_accuracy=0", "eval.every_steps=0", "rollout.prompts_per_step=16"]
+    overrides += ["train.lr_schedule=cosine", "train.warmup_steps=1", "train.lr=0.001", "train.critic_lr=0.002"]
     summary_of(run_job(tmp_path, *overrides))
     rows = metrics_of(tmp_path / "default" / trial)
     assert len(rows) == 6
+    # the schedule counts every update (2 a step): a step logs its two updates' mean rate; the cosine ends after the
+    # run's last update, not half-way (before, steps 4-6 of this run learnt at a rate of 0)
+    want = [0.001 * (cosine_factor(2 * s, 2, 12) + cosine_factor(2 * s + 1, 2, 12)) / 2 for s in range(6)]
+    assert [r["lr"] for r in rows] == pytest.approx(want, rel=1e-5), [r["lr"] for r in rows]
+    if algorithm == "ppo":
+        assert [r["critic_lr"] for r in rows] == pytest.approx([2 * lr for lr in want], rel=1e-5)
     # staleness of a token = the trainer's version at the step - the version that sampled it
     assert max(r["staleness_max"] for r in rows) == staleness, rows
     if staleness == 0:

@@ -2,6 +2,7 @@
 checkpoint, and a watchdog that never waits on a reloading server. The real processes are in test_job.py."""
 
 import asyncio
+import os
 import time
 from dataclasses import replace
 from types import SimpleNamespace
@@ -10,7 +11,7 @@ import pytest
 
 from hpcrl.config.schema import Config
 from hpcrl.controller import metrics
-from hpcrl.controller.loop import Loop, Workers
+from hpcrl.controller.loop import Loop, Workers, _minibatches
 from hpcrl.controller.metrics import read_metrics
 from hpcrl.launch.base import WorkerFailed
 from hpcrl.rpc.messages import SequenceData
@@ -54,7 +55,7 @@ def test_decoupled_ppo_takes_the_proximal_policy_once_before_the_first_update(tm
     cfg.algorithm = replace(cfg.algorithm, behavior_weight_cap=5.0, updates_per_batch=2)
     trainers = PolicyTrainers()
     loop = make_loop(tmp_path, cfg, trainers=trainers)
-    asyncio.run(loop._train_on([sequence(n) for n in (3, 4, 5, 6)], [1.0] * 4, {}, step=1))
+    asyncio.run(loop._train_on([sequence(n) for n in (3, 4, 5, 6)], [2, 2], [1.0] * 4, {}, step=1))
     assert trainers.updates == 2, "two disjoint parts of the batch, one update each"
     first, second = trainers.prox_seen
     assert set(first) == {-1.0}, "the policy before the first update"
@@ -65,7 +66,8 @@ def test_decoupled_ppo_takes_the_proximal_policy_once_before_the_first_update(tm
 def test_without_the_decoupled_objective_no_proximal_logprobs_are_taken(tmp_path):
     trainers = PolicyTrainers()
     trainers.train_step = _record_none(trainers)
-    asyncio.run(make_loop(tmp_path, trainers=trainers)._train_on([sequence(3), sequence(4)], [1.0, 1.0], {}, step=1))
+    loop = make_loop(tmp_path, trainers=trainers)
+    asyncio.run(loop._train_on([sequence(3), sequence(4)], [1, 1], [1.0, 1.0], {}, step=1))
     assert trainers.prox_seen == [[None], [None]]
 
 
@@ -95,12 +97,15 @@ class MinibatchTrainers:
         return {"loss": 0.0}
 
 
-def minibatches(tmp_path, step: int, **algorithm) -> list[list[int]]:
+def minibatches(tmp_path, step: int, sizes=(8, 8, 8, 8), **algorithm) -> list[list[int]]:
+    """The sequences (by index in the batch) of each update, for a batch of groups of ``sizes`` in batch order."""
     cfg = Config()
-    cfg.algorithm = replace(cfg.algorithm, updates_per_batch=4, **algorithm)
+    cfg.algorithm = replace(cfg.algorithm, **{"updates_per_batch": 4, **algorithm})
     trainers = MinibatchTrainers()
-    batch = [replace(sequence(3), advantage=float(i)) for i in range(32)]  # 4 groups of 8, in batch order
-    asyncio.run(make_loop(tmp_path / str(step), cfg, trainers=trainers)._train_on(batch, [0.0] * 32, {}, step))
+    n = sum(sizes)
+    batch = [replace(sequence(3), advantage=float(i)) for i in range(n)]
+    loop = make_loop(tmp_path / f"{step}-{len(sizes)}", cfg, trainers=trainers)
+    asyncio.run(loop._train_on(batch, list(sizes), [0.0] * n, {}, step))
     return trainers.parts
 
 
@@ -113,6 +118,24 @@ def test_minibatches_are_whole_groups_in_batch_order_unless_shuffled(tmp_path):
     # seeded by run.seed and the step: a resumed run splits a step's batch as the first run did
     assert minibatches(tmp_path, 1, shuffle_minibatches=True) == shuffled
     assert minibatches(tmp_path, 2, shuffle_minibatches=True) != shuffled
+
+
+def test_minibatches_never_split_a_group_and_are_exactly_updates_per_batch():
+    # before: parts of ceil(len / updates) sequences, so 3 groups of 4 in 2 updates cut group 1 in half, and
+    # 9 sequences in 4 updates made 3 parts
+    cfg = Config().algorithm
+    three = [[1.0] * 4, [2.0] * 4, [3.0] * 4]
+    flat = [x for g in three for x in g]
+    assert _minibatches(flat, [4, 4, 4], replace(cfg, updates_per_batch=2), None) == [[1.0] * 4, [2.0] * 4 + [3.0] * 4]
+    # groups of unequal sizes (a plug-in's): split by group count, each group whole
+    sizes = [2, 5, 1, 3]
+    items = [g for g, size in enumerate(sizes) for _ in range(size)]
+    parts = _minibatches(items, sizes, replace(cfg, updates_per_batch=3), None)
+    assert parts == [[0, 0], [1, 1, 1, 1, 1], [2, 3, 3, 3]]
+    shuffled = _minibatches(list(range(9)), [3, 3, 3], replace(cfg, updates_per_batch=4, shuffle_minibatches=True), 7)
+    assert [len(p) for p in shuffled] == [2, 2, 2, 3] and sorted(i for p in shuffled for i in p) == list(range(9))
+    with pytest.raises(ValueError, match="updates_per_batch=4 minibatches cannot be made of 3 groups"):
+        _minibatches(list(range(9)), [3, 3, 3], replace(cfg, updates_per_batch=4), None)
 
 
 # ---------------------------------------------------------------- a step's record before its checkpoint
@@ -173,14 +196,29 @@ def test_metrics_jsonl_is_fsynced_before_each_checkpoint_is_complete_and_not_eve
     # a node crash may lose what was never fsynced: a checkpoint's step must be on disk before its marker; the
     # steps between checkpoints need not be (a resume trains them again), and an fsync a step cost 0.4% of one
     events: list = []
-    monkeypatch.setattr(metrics.os, "fsync", lambda fd: events.append("fsync"))
+    monkeypatch.setattr(metrics.os, "fsync", lambda fd: events.append(f"fsync {fsynced_name(fd)}"))
     cfg = Config()
     cfg.run.max_steps, cfg.checkpoint.every_steps = 6, 3
     cfg.eval = replace(cfg.eval, every_steps=0, stop_at_accuracy=0)
     loop = make_loop(tmp_path, cfg, cls=RecordingLoop)
     loop.checkpoints = SimpleNamespace(publish=lambda state: events.append(f"publish {state.step}"))
     asyncio.run(loop._train(sync=None))
-    assert events == ["fsync", "publish 3", "fsync", "publish 6"]
+    # the first time, the run directory too: its entry of the new file (before, a node crash could bring back a
+    # complete checkpoint and no metrics.jsonl)
+    assert events == ["fsync metrics.jsonl", "fsync t", "publish 3", "fsync metrics.jsonl", "publish 6"]
+
+
+def test_a_resumes_rewritten_metrics_file_is_in_its_directory_on_disk_before_the_run_goes_on(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n')
+    synced: list[str] = []
+    monkeypatch.setattr(metrics.os, "fsync", lambda fd: synced.append(fsynced_name(fd)))
+    assert metrics.cut_metrics(path, 1) == 1
+    assert synced[-1] == tmp_path.name, "the rename over the old file: the directory fsynced after it"
+
+
+def fsynced_name(fd: int) -> str:
+    return os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
 
 
 # ---------------------------------------------------------------- the watchdog and a reloading server
@@ -252,5 +290,6 @@ def test_only_the_steps_last_update_writes_the_servers_weights(tmp_path):
     cfg.algorithm = replace(cfg.algorithm, updates_per_batch=3)
     trainers = MinibatchTrainers()
     batch = [replace(sequence(3), advantage=float(i)) for i in range(24)]
-    asyncio.run(make_loop(tmp_path, cfg, trainers=trainers)._train_on(batch, [0.0] * 24, {}, 1, export_to="/w/v1"))
+    loop = make_loop(tmp_path, cfg, trainers=trainers)
+    asyncio.run(loop._train_on(batch, [8, 8, 8], [0.0] * 24, {}, 1, export_to="/w/v1"))
     assert trainers.exports == ["", "", "/w/v1"], "the weights the servers load are the step's last update's"

@@ -27,8 +27,9 @@ def dist_info():
 
 @pytest.fixture
 def make_engine(tiny_model, dist_info):
-    def make(dtype="float32", total_steps=0, **train) -> Engine:
-        engine = Engine(tiny_model, replace(TRAIN, **train), dtype=dtype, dist=dist_info, total_steps=total_steps)
+    def make(dtype="float32", total_steps=0, updates_per_step=1, **train) -> Engine:
+        schedule = {"total_steps": total_steps, "updates_per_step": updates_per_step}
+        engine = Engine(tiny_model, replace(TRAIN, **train), dtype, dist_info, **schedule)
         engine.setup()
         return engine
 
@@ -118,6 +119,16 @@ def test_lr_warms_up_then_follows_the_cosine(make_engine):
     lrs = [r["lr"] for r in results]
     cosine = [0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(4)]
     assert lrs == pytest.approx([1e-3 / 2, 1e-3, *(1e-3 * c for c in cosine)], rel=1e-6)
+
+
+def test_the_schedule_counts_every_update_of_a_step(make_engine):
+    # a run step takes updates_per_batch optimizer updates: a schedule in run steps that stepped on every update
+    # ended its cosine half-way through a 2-update run, and warmed up over half the steps it was told
+    engine = make_engine(warmup_steps=1, lr_schedule="cosine", total_steps=3, updates_per_step=2, grad_clip=0.0)
+    lrs = [engine.train_step(_sequences([6, 6]), _reinforce)["lr"] for _ in range(6)]
+    cosine = [0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(4)]
+    assert lrs == pytest.approx([1e-3 / 2, 1e-3, *(1e-3 * c for c in cosine)], rel=1e-6)
+    assert min(lrs) == lrs[-1] > 0, "the smallest rate is the last update's, and it still learns"
 
 
 def test_a_batch_without_loss_tokens_is_refused_before_any_forward(make_engine):
