@@ -27,9 +27,11 @@ def make_loss_fn(cfg: AlgorithmConfig, max_new_tokens: int):
     """
 
     def loss_fn(logprobs: Tensor, mb: MicroBatch, normalizer: Normalizer):
+        if mb.old_logprobs is None:  # the current policy in their place would make every ratio 1: nothing clipped
+            raise ValueError("the policy loss needs the behaviour logprobs (old_logprobs) of every sequence")
         return policy_loss(
             logprobs,
-            mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach(),
+            mb.old_logprobs,
             mb.token_advantages if mb.token_advantages is not None else mb.advantages,
             mb.loss_mask,
             cfg,

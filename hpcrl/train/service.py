@@ -124,6 +124,11 @@ class TrainerService(EngineService):
         disk weight sync's export without a call of its own); its time is the metric ``time_weights_export_s``.
         """
         sequences = _sequences(msg.batch)
+        if missing := [i for i, s in enumerate(sequences) if s.old_logprobs is None]:
+            raise ValueError(
+                f"sequence(s) {_first(missing)} of this rank's {len(sequences)} have no old_logprobs: the policy loss "
+                "needs the behaviour policy's logprobs of the sampled tokens, as the servers reported them"
+            )
         if self.decoupled and any(s.prox_logprobs is None for s in sequences):
             raise ValueError(
                 "algorithm.behavior_weight_cap > 0 (decoupled PPO) needs prox_logprobs on every sequence: the "
@@ -176,6 +181,12 @@ class TrainerService(EngineService):
             leave_weight_group(self.group)
             self.group = None
         return Ack()
+
+
+def _first(indices: list[int], shown: int = 8) -> str:
+    """``indices`` as a short list: the first ``shown`` of them, and how many more."""
+    more = f" and {len(indices) - shown} more" if len(indices) > shown else ""
+    return ", ".join(map(str, indices[:shown])) + more
 
 
 def _sequences(batch: SequenceBatch) -> list[Sequence]:

@@ -1,12 +1,16 @@
 """The engines' loss functions: the actor's takes per-token advantages where the batch has them (GAE), and the
 critic's is the clipped value loss against the batch's returns around its old values."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from hpcrl.config.schema import AlgorithmConfig
+from hpcrl.config.schema import AlgorithmConfig, Config
+from hpcrl.rpc.messages import SequenceBatch, SequenceData, TrainStep
 from hpcrl.train.batch import Normalizer, Sequence, collate
 from hpcrl.train.loss import make_loss_fn, make_value_loss_fn
+from hpcrl.train.service import TrainerService
 
 CFG = AlgorithmConfig(loss_agg="token_mean", advantage="gae", value_clip=0.2)
 
@@ -54,3 +58,14 @@ def test_value_clip_zero_turns_clipping_off_and_a_batch_without_returns_is_refus
     assert on[0].item() == pytest.approx(0.5 * 0.8**2) and on[1]["clip_frac"].item() == 1.0  # clamped to 0.2
     with pytest.raises(ValueError, match="needs returns and old_values"):
         make_value_loss_fn(CFG, 2)(values, batch(), Normalizer(2, 1))
+
+
+def test_a_batch_without_behaviour_logprobs_is_refused_naming_the_sequences():
+    # before: the current policy's logprobs stood in for them, so every ratio was 1 and nothing was ever clipped
+    seqs = [Sequence([1, 2, 3], [0, 1, 1], 1.0) for _ in range(3)]  # (the wire sends them on all or on none)
+    mb = collate(seqs[:1], pad_id=0, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="needs the behaviour logprobs"):
+        make_loss_fn(CFG, max_new_tokens=2)(torch.zeros(1, 2), mb, Normalizer(tokens=2, sequences=1))
+    service = TrainerService(SimpleNamespace(step=0), Config(), rank=0)
+    with pytest.raises(ValueError, match=r"sequence\(s\) 0, 1, 2 of this rank's 3 have no old_logprobs"):
+        service.train_step(TrainStep(SequenceBatch.pack([SequenceData(**vars(s)) for s in seqs]), 1.0))
