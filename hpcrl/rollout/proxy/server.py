@@ -12,8 +12,9 @@ episode's requests reach its own record and no other's. A request is checked as 
 (``hpcrl/inference/openai/protocol.py``, the same 400s), its messages rendered with the chat template (and its
 tools) to token ids, and each of its ``n`` choices generated from those ids by hpcrl's ``InferenceClient``,
 through ``SingleTurn.sample``: a weight update's abort is waited out and the choice goes on from where it
-stopped. The answer's text is decoded from the generated ids, its tool calls parsed from that text; what is
-recorded for training is the ids, never the text (``records.py``).
+stopped, and a server that aborts every request fails it after ``max_empty_aborts`` tries with no new token
+(``NoProgress``, an inference error: a 502 below). The answer's text is decoded from the generated ids, its
+tool calls parsed from that text; what is recorded for training is the ids, never the text (``records.py``).
 
 The episode's sampling parameters are the rollout's: a request that leaves one unset gets the episode's; a
 ``temperature`` other than the episode's is refused (the trainer computes logprobs at ``rollout.temperature``,
@@ -56,7 +57,7 @@ from hpcrl.inference.openai.protocol import (
 )
 from hpcrl.net import PortAllocator, family_of, format_hostport
 from hpcrl.rollout.proxy.records import Completion, EpisodeLog
-from hpcrl.rollout.workflows.single_turn import SingleTurn
+from hpcrl.rollout.workflows.single_turn import MAX_EMPTY_ABORTS, SingleTurn
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +89,10 @@ class Proxy:
         *,
         host: str = "127.0.0.1",  # the loopback address of the run's family
         ports: PortAllocator | None = None,  # this process's slice; None: any free port (tests)
+        max_empty_aborts: int = MAX_EMPTY_ABORTS,  # a choice's aborted answers in a row with no token, unpaused
     ):
         self.client, self.tokenizer, self.chat, self.resumed = client, tokenizer, chat, resumed
+        self.max_empty_aborts = max_empty_aborts
         self.host, self.ports = host, ports
         self.port = 0
         self.episodes: dict[str, EpisodeLog] = {}
@@ -224,12 +227,11 @@ class Proxy:
         params = self._params(episode, sampling)
         request = episode.requests
         episode.requests += 1
-        draws = [
-            SingleTurn(self.client, self.tokenizer, params, 1, None, self.resumed).sample(  # type: ignore[arg-type]
-                prompt_ids, episode.request_seed(sampling.seed, request, k)
-            )
-            for k in range(sampling.n)
-        ]
+        single = SingleTurn(
+            self.client, self.tokenizer, params, 1, None, self.resumed,  # type: ignore[arg-type]
+            max_empty_aborts=self.max_empty_aborts,
+        )  # fmt: skip
+        draws = [single.sample(prompt_ids, episode.request_seed(sampling.seed, request, k)) for k in range(sampling.n)]
         try:
             samples = await asyncio.gather(*draws)
         except ContextLengthError as e:

@@ -50,7 +50,10 @@ def make_workflow(
 
         return agent_workflow(cfg, client, tokenizer, sampling, rewards, resumed, host=host, ports=ports)
     if name == "single_turn":
-        return SingleTurn(client, tokenizer, sampling, cfg.algorithm.group_size, rewards, resumed)
+        return SingleTurn(
+            client, tokenizer, sampling, cfg.algorithm.group_size, rewards, resumed,
+            max_empty_aborts=cfg.rollout.max_empty_aborts,
+        )  # fmt: skip
     if name == "multi_turn":
         from hpcrl.rollout.workflows.multi_turn import MultiTurn
 
@@ -58,6 +61,7 @@ def make_workflow(
         return MultiTurn(
             client, tokenizer, sampling, cfg.algorithm.group_size, rewards, resumed,
             max_turns=w.max_turns, turn_discount=w.turn_discount, feedback=w.feedback,
+            max_empty_aborts=cfg.rollout.max_empty_aborts,
         )  # fmt: skip
     if name in SCAFFOLDS:
         from hpcrl.rollout.workflows.scaffold import scaffold_workflow

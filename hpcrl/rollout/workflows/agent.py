@@ -43,6 +43,7 @@ from hpcrl.rollout.proxy.records import EpisodeLog
 from hpcrl.rollout.proxy.server import MODEL, Proxy
 from hpcrl.rollout.proxy.trajectories import MissingReward, join, propagate_rewards, shared_prompt, to_sample
 from hpcrl.rollout.workflows.base import EpisodeContext, EpisodeFn, Group, Rewarder, derive_seed
+from hpcrl.rollout.workflows.single_turn import MAX_EMPTY_ABORTS
 
 CLIENT_TIMEOUT_S = 3600.0  # the agent's client's deadline per request: a backstop (the proxy's requests have theirs)
 POOLS = 16  # connection pools the episodes' clients are spread over (module docstring)
@@ -74,12 +75,14 @@ class AgentWorkflow:
         host: str = "127.0.0.1",  # the proxy's loopback address
         ports: PortAllocator | None = None,  # the proxy's port slice
         name: str = "",  # workflow.name, for errors
+        max_empty_aborts: int = MAX_EMPTY_ABORTS,  # the proxy's: a choice's aborted answers in a row with no token
     ):
         if not 0 < turn_discount <= 1:
             raise ValueError(f"turn_discount must be in (0, 1], got {turn_discount}")
         self.episode, self.client, self.tokenizer, self.chat = episode, client, tokenizer, chat
         self.sampling, self.group_size, self.rewards, self.resumed = dict(sampling), group_size, rewards, resumed
         self.turn_discount, self.host, self.ports, self.name = turn_discount, host, ports, name
+        self.max_empty_aborts = max_empty_aborts
         self._proxy: Proxy | None = None
         self._pools: list[Any] = []  # httpx clients the episodes' openai clients share (module docstring)
         self._next_pool = 0
@@ -115,7 +118,10 @@ class AgentWorkflow:
             if self._proxy is None:
                 import openai  # here: importing it takes a second, which a run without agents never pays
 
-                proxy = Proxy(self.client, self.tokenizer, self.chat, self.resumed, host=self.host, ports=self.ports)
+                proxy = Proxy(
+                    self.client, self.tokenizer, self.chat, self.resumed,
+                    host=self.host, ports=self.ports, max_empty_aborts=self.max_empty_aborts,
+                )  # fmt: skip
                 await proxy.start()
                 limits = _pool_limits(openai)
                 self._pools = [
@@ -237,4 +243,5 @@ def agent_workflow(
     return AgentWorkflow(
         resolve(w.name), client, tokenizer, chat, sampling, cfg.algorithm.group_size, rewards, resumed,
         turn_discount=w.turn_discount, host=host, ports=ports, name=w.name,
+        max_empty_aborts=cfg.rollout.max_empty_aborts,
     )  # fmt: skip

@@ -14,7 +14,8 @@ of the last model turn, which is what the reward read; and that turn's reward ti
 ``turn_discount ** (turns - 1)``, so a right answer is worth more the sooner it comes.
 
 Each turn is ``SingleTurn.sample``: a weight update's abort is waited out and the turn resubmitted from
-where it stopped (the history plus its partial tokens) with the rest of its ``max_new_tokens``.
+where it stopped (the history plus its partial tokens) with the rest of its ``max_new_tokens``; a server that
+aborts every request fails the turn after ``max_empty_aborts`` tries with no new token (``NoProgress``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 from hpcrl.inference.client import InferenceClient
 from hpcrl.rollout.workflows.base import Group, Rewarder, Sample, derive_seed
-from hpcrl.rollout.workflows.single_turn import SingleTurn
+from hpcrl.rollout.workflows.single_turn import MAX_EMPTY_ABORTS, SingleTurn
 
 log = logging.getLogger(__name__)
 
@@ -82,13 +83,14 @@ class MultiTurn:
         max_turns: int,  # the most model turns in one trajectory
         turn_discount: float,  # the reward's factor per turn after the first
         feedback: str,  # the user turn after a wrong answer
+        max_empty_aborts: int = MAX_EMPTY_ABORTS,  # a turn's aborted answers in a row with no token, unpaused, fail it
     ):
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         if not 0 < turn_discount <= 1:
             raise ValueError(f"turn_discount must be in (0, 1], got {turn_discount}")
         # generates one turn from a history of ids (its own reward and group size go unused)
-        self.turn = SingleTurn(client, tokenizer, sampling, 1, rewards, resumed)
+        self.turn = SingleTurn(client, tokenizer, sampling, 1, rewards, resumed, max_empty_aborts=max_empty_aborts)
         self.tokenizer, self.group_size, self.rewards = tokenizer, group_size, rewards
         self.max_turns, self.turn_discount = max_turns, turn_discount
         self.feedback_ids = tuple(feedback_ids(tokenizer, feedback))  # shared by episodes, so immutable

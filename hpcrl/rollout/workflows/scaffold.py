@@ -52,7 +52,7 @@ from hpcrl.inference.client import InferenceClient
 from hpcrl.reward.builtin import extract_answer
 from hpcrl.reward.pool import RewardPool
 from hpcrl.rollout.workflows.base import Group, Rewarder, Sample, derive_seed
-from hpcrl.rollout.workflows.single_turn import SingleTurn
+from hpcrl.rollout.workflows.single_turn import MAX_EMPTY_ABORTS, SingleTurn
 
 __all__ = [
     "BestOfN",
@@ -104,10 +104,20 @@ class Controller(Protocol):
 class Generate:
     """One completion of the episode's prompt."""
 
-    def __init__(self, client: InferenceClient, tokenizer: Any, sampling: dict[str, Any], resumed: asyncio.Event):
-        # SingleTurn's sample loop (resubmit after an abort with the remaining budget) is reused as is;
-        # only ``sample`` is called, which scores nothing, so it gets no rewards
-        self._single = SingleTurn(client, tokenizer, sampling, 1, None, resumed)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        client: InferenceClient,
+        tokenizer: Any,
+        sampling: dict[str, Any],
+        resumed: asyncio.Event,
+        max_empty_aborts: int = MAX_EMPTY_ABORTS,  # aborted answers in a row with no token, unpaused, that fail it
+    ):
+        # SingleTurn's sample loop (resubmit after an abort with the remaining budget, bounded when no token comes)
+        # is reused as is; only ``sample`` is called, which scores nothing, so it gets no rewards
+        no_rewards: Any = None
+        self._single = SingleTurn(
+            client, tokenizer, sampling, 1, no_rewards, resumed, max_empty_aborts=max_empty_aborts
+        )
 
     async def run(self, episode: Episode) -> Result:
         sample = await self._single.sample(list(episode.prompt_ids), episode.seed)
@@ -310,5 +320,6 @@ def scaffold_workflow(
         # imported in processes of its own, like a reward: the same registry, timeout and isolation
         pools.append(RewardPool(w.verifier, cfg.reward.workers, cfg.reward.timeout_s).start())
         verifier = pools[0]
-    controller = make_controller(w, Generate(client, tokenizer, sampling, resumed), tokenizer, verifier)
+    generate = Generate(client, tokenizer, sampling, resumed, cfg.rollout.max_empty_aborts)
+    controller = make_controller(w, generate, tokenizer, verifier)
     return ScaffoldWorkflow(controller, tokenizer, rewards, runs, w.train_on, pools)
