@@ -20,9 +20,9 @@ The capacity is recomputed whenever an episode completes or the version changes,
 Groups that are rejected free their capacity, so the executor starts replacements. The causes: the
 ``reject`` policy's (a failed reward under ``reward.on_error=drop``, all-equal rewards under DAPO) and
 episode errors ``classify`` names (a prompt too long for the context, requests that failed through the
-client's retries). ``max_rejected_in_a_row`` rejections with no accepted group between fail the run with
-the counts by cause and what to change; a batch for which more groups were rejected than accepted logs a
-warning saying the same.
+client's retries or that a server kept aborting with no new token). ``max_rejected_in_a_row`` rejections
+with no accepted group between fail the run with the counts by cause and what to change; a batch for which
+more groups were rejected than accepted logs a warning saying the same.
 
 For checkpoints, the executor knows which rows it drew whose groups no batch has taken yet (in flight, or
 accepted and waiting): ``unbatched_rows``, in start order. A resumed run draws them again, and ``restore``
@@ -60,7 +60,8 @@ CAUSES = {
     ),
     "failed": (
         "failed",
-        "episodes failed through the inference client's retries: see the servers' logs (logs/server-N.log)",
+        "episodes failed through the inference client's retries, or a server answered a sample aborted with no new "
+        "token rollout.max_empty_aborts times in a row: see the servers' logs (logs/server-N.log)",
     ),
 }
 

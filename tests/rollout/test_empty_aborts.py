@@ -131,6 +131,7 @@ def test_groups_a_server_always_aborts_are_rejected_and_counted_as_failed():
     assert [len(prompts) for prompts in server.requests] == [2] * 8, "2 groups, 4 tries each, of both samples"
     assert executor.rejected["failed"] == 2 and executor.rejected_total == 2
     assert "0 too long, 2 failed" in message and f"(last: NoProgress: POST /generate on {server.address}" in message
+    assert "rollout.max_empty_aborts times in a row: see the servers' logs" in message, "what to look at"
 
 
 @pytest.mark.parametrize(
