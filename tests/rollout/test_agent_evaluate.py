@@ -117,13 +117,13 @@ def test_the_same_agent_through_hpcrls_proxy_has_the_same_held_out_accuracy(agen
 
 
 def test_a_run_directory_gives_the_agent_reward_rows_and_sampling_of_the_runs_own_evaluation(tmp_path):
-    cfg = load("experiment=mod10_agent", "dataset.eval_size=7", "run.seed=3", "rollout.stop=['=']", "rollout.top_p=0.9")
+    cfg = load("experiment=mod10_agent", "dataset.eval_size=7", "run.seed=3", "rollout.stop=['=']")
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
     agent, reward, rows, sampling = settings(parse_args(["--base-url", "http://x/v1", "--run-dir", str(tmp_path)]))
     assert (agent, reward) == (cfg.workflow.name, cfg.reward.fn) == (DEFAULT_AGENT, DEFAULT_REWARD)
     assert rows == [{"prompt": r["prompt"], "answer": r["answer"]} for r in load_splits(cfg.dataset, 3)[1]]
     assert len(rows) == 7 and rows == held_out(7, 3)
-    assert sampling == {"temperature": 0.0, "top_p": 0.9, "max_tokens": 1, "stop": ["="]}
+    assert sampling == {"temperature": 0.0, "top_p": 1.0, "max_tokens": 1, "stop": ["="]}
     args = parse_args(
         ["--base-url", "http://x/v1", "--max-tokens", "4", "--agent", "mytasks:agent", "--eval-size", "5"]
     )

@@ -277,6 +277,9 @@ USER = [{"role": "user", "content": "3+4="}]
         ({"tool_choice": "required", "tools": [CALCULATOR]}, "tool_choice", "constrained decoding"),
         ({"tools": [CALCULATOR, {**CALCULATOR, "function": {"name": "other"}}]}, "tools", "one tool"),
         ({"messages": []}, "messages", "Messages cannot be empty."),
+        # truncated sampling: the trainer's ratio is of the full distribution (before, trained with a wrong ratio)
+        ({"top_p": 0.9}, "top_p", "top_p=0.9 is refused in a training episode"),
+        ({"extra_body": {"top_k": 5}}, "top_k", "top_k=5 is refused in a training episode"),
     ],
 )
 def test_a_request_the_proxy_cannot_honour_is_a_400_in_openais_shape_and_records_nothing(
@@ -302,6 +305,21 @@ def test_a_request_the_proxy_cannot_honour_is_a_400_in_openais_shape_and_records
         "code": 400,
     }
     assert log.completions == [] and log.error is None
+
+
+def test_a_greedy_evaluation_episode_may_ask_for_top_p_and_top_k(agent_server):
+    # held-out evaluation samples greedily: truncation changes no token there, and nothing trains on it
+    tokenizer = load_tokenizer(agent_server.model)
+
+    async def episode():
+        async with proxy_on([agent_server.address], tokenizer) as proxy:
+            log = proxy.open({**EPISODE, "temperature": 0.0}, EPISODE_SEED)
+            return await agent_client(proxy.base_url(log)).chat.completions.create(
+                model="m", messages=USER, top_p=0.5, extra_body={"top_k": 3}, max_tokens=2
+            )
+
+    answer = run(episode())
+    assert answer.choices[0].finish_reason in ("stop", "length")
 
 
 def test_a_prompt_too_long_for_the_context_is_context_length_exceeded_kept_on_the_episode(agent_server):

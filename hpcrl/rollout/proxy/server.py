@@ -18,8 +18,10 @@ tool calls parsed from that text; what is recorded for training is the ids, neve
 
 The episode's sampling parameters are the rollout's: a request that leaves one unset gets the episode's; a
 ``temperature`` other than the episode's is refused (the trainer computes logprobs at ``rollout.temperature``,
-and a sample drawn at another would train with the wrong ratio). ``max_tokens``, ``top_p``, ``stop``, ``seed``
-and ``n`` are the agent's to choose.
+and a sample drawn at another would train with the wrong ratio), and so is a ``top_p`` below 1 or a ``top_k`` in a
+training episode (the trainer's ratio is of the full distribution, not the truncated one sampled from; held-out
+evaluation is greedy, where they change nothing). ``max_tokens``, ``stop``, ``seed`` and ``n`` are the agent's to
+choose.
 
 Who can reach it: the proxy binds the loopback address only (127.0.0.1, or ::1 for an IPv6 run), on a port of
 its process's own slice of the port range, so only processes on the same host can connect, and an episode's
@@ -275,10 +277,25 @@ class Proxy:
                 "episode's sampling['temperature']",
                 param="temperature",
             )
+        if own:  # a training episode (held-out evaluation is greedy: truncation changes nothing there)
+            _refuse_truncation(sampling)
         return sampling.params({k: v for k, v in episode.sampling.items() if k != "stop"})
 
     def _episode(self, request: web.Request) -> EpisodeLog | None:
         return self.episodes.get(request.match_info["key"])
+
+
+def _refuse_truncation(sampling: Sampling) -> None:
+    """A training episode's request may not truncate the distribution it samples from: the server reports, and the
+    trainer computes, the full distribution's logprobs, so the PPO ratio of a top-p or top-k sample is wrong."""
+    for name, off in (("top_p", 1), ("top_k", -1)):
+        value = getattr(sampling, name)
+        if value is not None and value != off:
+            raise OpenAIError(
+                f"{name}={value} is refused in a training episode: the trainer's ratio is of the full distribution "
+                f"(logprobs before truncation), not the truncated one sampled from; omit {name} or pass {off}",
+                param=name,
+            )
 
 
 def _context_error(e: ContextLengthError) -> OpenAIError:
