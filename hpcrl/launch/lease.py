@@ -23,7 +23,14 @@ renews a worker only once it has registered, which is when its setup is done. Th
 serves its endpoint to register it: from then on it waits for a first renewal at most ``REGISTRY_SEEN_S`` (or a
 lease, if longer) for the controller to find the entry, plus the lease itself, so a controller that dies between
 a worker's registration and its first renewal does not leave the worker holding its node for the rest of the
-setup timeout.
+setup timeout. And it ends at the worker's first contact with the controller (``contact``): its first renewal,
+or an authenticated call, whichever comes first; from then on a lease without a renewal ends the worker. A
+controller that reached a worker over RPC has found its entry, and renews it within ``lease_s`` / 6, so the
+wait for the registry is over: a controller killed right after its first step (its workers called, not yet
+renewed) left them running for the registry's delay plus the lease, 90 s by default. The trainer ranks and
+rollout workers count every RPC connection that presents the run's token (``RpcServer``'s
+``on_authenticated``); a server worker only the renewal: the controller calls its server's HTTP API, which
+takes no token and is another process.
 
 Every scheduler hands a worker its lease in the environment (``HPCRL_CONTROLLER_ID``, ``HPCRL_LEASE_S``,
 ``HPCRL_LEASE_GRACE_S``; ``worker_env``); ``Lease.from_env`` reads them.
@@ -108,6 +115,8 @@ class Lease:
         self.deadline = time.monotonic() + lease_s + grace_s
         self.registry_seen_s = registry_seen_s
         self.renewals = 0
+        self.contacted = False  # the controller has reached this worker: the grace is over
+        self._lock = threading.Lock()  # the deadline is moved from the endpoint's thread and the RPC server's
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._server: threading.Thread | None = None
@@ -127,15 +136,32 @@ class Lease:
         """A heartbeat from ``controller``; only this worker's own counts."""
         if controller != self.controller:
             return False
-        self.deadline = time.monotonic() + self.lease_s
-        self.renewals += 1
+        with self._lock:
+            self.deadline = time.monotonic() + self.lease_s
+            self.renewals += 1
+        self.contact()
         return True
+
+    def contact(self) -> None:
+        """The controller has reached this worker (a renewal, or an RPC connection with the run's token): what
+        is left of the setup grace goes, and a lease from now on ends the worker unless a renewal comes. Never
+        moves the deadline later. Any thread."""
+        with self._lock:
+            self.deadline = min(self.deadline, time.monotonic() + self.lease_s)
+            first, self.contacted = not self.contacted, True
+        if first:
+            log.info(
+                "first contact with controller %s: from now on %g s without a renewal end this worker",
+                self.controller,
+                self.lease_s,
+            )
 
     def serve(self, token: str, host: str, port: int, advertise_host: str) -> str:
         """Take heartbeats at ``POST /lease`` on a thread of its own; the address to register (extra["lease"]).
         The worker's setup is over: the rest of the setup grace goes (module doc)."""
         first_renewal = max(self.lease_s, self.registry_seen_s) + self.lease_s
-        self.deadline = min(self.deadline, time.monotonic() + first_renewal)
+        with self._lock:
+            self.deadline = min(self.deadline, time.monotonic() + first_renewal)
         ready: list[str] = []
         started = threading.Event()
         self._server = threading.Thread(

@@ -35,7 +35,8 @@ address that is not ``host:port``, or one twice, is refused as a whole (an RPC e
 stays as it was; ``ping(Ping) -> Pong``; ``shutdown``. Messages: ``remote.py``.
 
 It holds a lease on its controller (an endpoint of its own on another port, ``hpcrl/launch/lease.py``): with
-no heartbeat for ``cluster.worker_lease_s`` it SIGTERMs itself.
+no heartbeat for ``cluster.worker_lease_s`` it SIGTERMs itself (the setup grace before the first heartbeat ends
+at the controller's first RPC connection).
 
 Exit: the ``shutdown`` RPC (exit 0) or SIGTERM / SIGINT (exit 128 + the signal): unregister, stop serving
 (requests in flight get the server's shutdown grace), cancel the episodes still running, close the
@@ -184,9 +185,12 @@ async def _serve_registered(
 ) -> None:
     advertised, bind = worker_addresses(cfg.cluster.net)
     port, lease_port = ports.allocate(2)
-    server = RpcServer(service.handlers(), token, rank, host=bind, port=port, advertise_host=advertised)
-    server.start_in_thread()
     lease = service.lease
+    contact = lease.contact if lease else None  # the controller's first call ends the lease's setup grace
+    server = RpcServer(
+        service.handlers(), token, rank, host=bind, port=port, advertise_host=advertised, on_authenticated=contact
+    )
+    server.start_in_thread()
     extra = {"lease": lease.serve(token, bind, lease_port, advertised)} if lease else {}
     registered = Registry(run_dir.registry).register(Entry(ROLE, rank, advertised, port, extra=extra))
     log.info("ready: rollout RPC at %s (registered in %s)", server.address, registered)

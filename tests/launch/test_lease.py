@@ -1,15 +1,21 @@
-"""Leases on real endpoints in threads: a worker ends when renewals stop, and only its own controller's count;
-the keeper renews every registered worker and names the one it cannot reach; the endpoint wants the token."""
+"""Leases on real endpoints in threads: a worker ends when renewals stop, and only its own controller's count; its
+setup grace ends at the controller's first contact; the keeper renews every registered worker and names the one it
+cannot reach; the endpoint wants the token."""
 
+import asyncio
 import http.client
 import json
 import re
 import threading
 import time
 
+import pytest
+
 from hpcrl.launch.lease import Lease, LeaseKeeper
 from hpcrl.launch.registry import Entry, Registry
 from hpcrl.net import parse_hostport
+from hpcrl.rpc import AuthError, RpcClient, RpcServer
+from hpcrl.rpc.messages import Ping
 
 TOKEN = "lease-token-" + "x" * 32
 
@@ -52,6 +58,39 @@ def test_a_worker_that_registered_and_was_never_renewed_expires_without_the_rest
     assert expiry.done.wait(5), "the controller died before its first renewal: the worker must not wait 600 s"
     assert 0.85 <= expiry.at - start < 1.4, expiry.at - start  # the registry's delay, then the lease
     lease.stop()
+
+
+def test_the_controller_s_first_rpc_call_ends_the_grace_and_a_lease_without_renewal_then_ends_the_worker():
+    expiry = Expiry()
+    lease = Lease("c1", 0.5, expiry, grace_s=600, poll_s=0.02).start()
+    lease.serve(TOKEN, "127.0.0.1", 0, "127.0.0.1")  # registered: the registry's 60 s and a lease to go
+    with RpcServer({"echo": lambda msg: msg}, TOKEN, 0, on_authenticated=lease.contact) as server:
+        with pytest.raises(AuthError):  # a stranger is not the controller
+            rpc_call(server.address, "wrong-token")
+        time.sleep(0.7)
+        assert not expiry.done.is_set() and not lease.contacted
+        start = time.monotonic()
+        assert rpc_call(server.address, TOKEN) == Ping()  # the controller's first step, say; then it dies
+        assert expiry.done.wait(5), "called by the controller but never renewed: the worker must not wait 60 s"
+    assert 0.45 <= expiry.at - start < 1.0, expiry.at - start  # one lease from the call
+    lease.stop()
+
+
+def test_contact_never_moves_a_lease_s_deadline_later():
+    lease = Lease("c1", 10, Expiry(), grace_s=600)
+    lease.renew("c1")
+    renewed = lease.deadline
+    time.sleep(0.05)
+    lease.contact()  # a connection opened after the renewal
+    assert lease.deadline == renewed and lease.contacted
+
+
+def rpc_call(address: str, token: str):
+    async def go():
+        async with RpcClient([address], token, connect_timeout_s=5) as client:
+            return (await client.call("echo", [Ping()]))[0]
+
+    return asyncio.run(go())
 
 
 def post(address: str, body: bytes, token: str = TOKEN, path: str = "/lease") -> tuple[int, dict]:
