@@ -15,7 +15,9 @@ What a scheduler runs for each server. The worker:
 
 It holds a lease on its controller (``hpcrl/launch/lease.py``): a small endpoint of its own, on another
 port of its slot (registered as ``extra["lease"]``), takes the controller's heartbeat; with none for
-``cluster.worker_lease_s`` the worker SIGTERMs itself, and so ends its server as in step 5.
+``cluster.worker_lease_s`` the worker SIGTERMs itself, and so ends its server as in step 5. Its setup grace ends
+at the first heartbeat, not at the controller's first request: those go to the server's HTTP API, another
+process, which takes no token.
 
 A server that dies while starting makes the worker exit non-zero with the server's exit code and log tail in
 the worker's own log, which the scheduler's ``WorkerFailed`` carries to the controller. Signals are only
