@@ -27,19 +27,29 @@ def server_command(
     dtype: str,
     seed: int,
     python: str = sys.executable,
+    nccl_port: int | None = None,
 ) -> list[str]:
-    """The argv that starts one server of ``backend`` bound to ``host:port``."""
+    """The argv that starts one server of ``backend`` bound to ``host:port``; ``nccl_port`` is where SGLang's
+    ranks meet (``sglang_command``), which the CPU server does not have."""
     build = _BUILDERS.get(backend)
     if build is None:
         raise ValueError(
             f"unknown server backend {backend!r}: expected one of {', '.join(SERVER_BACKENDS)} "
             "(allocation.server.backend)"
         )
-    return build(str(model_path), host, port, tp_size, inference, dtype, seed, python)
+    return build(str(model_path), host, port, tp_size, inference, dtype, seed, python, nccl_port)
 
 
 def _sglang(
-    model_path: str, host: str, port: int, tp_size: int, inf: InferenceConfig, dtype: str, seed: int, python: str
+    model_path: str,
+    host: str,
+    port: int,
+    tp_size: int,
+    inf: InferenceConfig,
+    dtype: str,
+    seed: int,
+    python: str,
+    nccl_port: int | None,
 ) -> list[str]:
     return sglang_command(
         model_path,
@@ -52,11 +62,20 @@ def _sglang(
         extra_args=inf.extra_args,
         python=python,
         max_running_requests=inf.max_running_requests,
+        nccl_port=nccl_port,
     )
 
 
 def _cpu(
-    model_path: str, host: str, port: int, tp_size: int, inf: InferenceConfig, dtype: str, seed: int, python: str
+    model_path: str,
+    host: str,
+    port: int,
+    tp_size: int,
+    inf: InferenceConfig,
+    dtype: str,
+    seed: int,
+    python: str,
+    nccl_port: int | None,  # unused: its ranks are child processes it talks to over pipes, with no TCP store
 ) -> list[str]:
     if tp_size < 1:
         raise ValueError(f"allocation.server.tp_size must be >= 1, got {tp_size}")
@@ -85,7 +104,7 @@ def _cpu(
     ]
 
 
-_BUILDERS: dict[str, Callable[[str, str, int, int, InferenceConfig, str, int, str], list[str]]] = {
+_BUILDERS: dict[str, Callable[[str, str, int, int, InferenceConfig, str, int, str, int | None], list[str]]] = {
     "sglang": _sglang,
     "cpu": _cpu,
 }

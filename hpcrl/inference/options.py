@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from hpcrl.config.schema import Config
-from hpcrl.inference.context import context_length
+from hpcrl.inference.sglang_args import served_context
 
 
 def client_options(cfg: Config) -> dict[str, Any]:
@@ -19,6 +19,6 @@ def client_options(cfg: Config) -> dict[str, Any]:
         "no_server_timeout_s": cfg.cluster.server_wait_s(),  # how long a request waits for a restarting server
         "tp_size": server.tp_size,
         "weight_update_timeout_s": cfg.inference.weight_update_timeout_s,
-        "context_length": context_length(cfg.model.path, extra_args),
+        "context_length": served_context(cfg.model.path, extra_args),
         "context_overflow": cfg.inference.context_overflow,
     }

@@ -1,9 +1,8 @@
 """The SGLang server launch: its command line and the environment it gets on a cluster.
 
-``sglang_command`` builds ``python -m sglang.launch_server ...`` as an argv list. Flags that hpcrl
-sets from the config cannot be repeated in ``inference.extra_args``: SGLang parses with argparse,
-which keeps the last occurrence of a flag without a word, and also accepts unambiguous prefixes
-(``--tp 2`` means ``--tp-size 2``), so both forms are refused here, before anything is launched.
+``sglang_command`` builds ``python -m sglang.launch_server ...`` as an argv list, with ``inference.extra_args``
+appended once ``sglang_args.launch_args`` has read them as SGLang will (abbreviations included) and found nothing
+that cannot work: a flag hpcrl sets itself, data-parallel replicas or pipeline stages, and the rest listed there.
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from hpcrl.inference.sglang_args import launch_args
 from hpcrl.net import is_ipv6
 
 # Model loading on big clusters can take well over 5 minutes (weights from a shared filesystem,
@@ -19,18 +19,6 @@ from hpcrl.net import is_ipv6
 SGLANG_SETUP_TIMEOUT_S = 1200
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # same names in hpcrl's config and SGLang's --dtype
-
-# The flags hpcrl sets -> (other spellings SGLang accepts, the config field to change instead)
-MANAGED_FLAGS: dict[str, tuple[tuple[str, ...], str]] = {
-    "--model-path": (("--model",), "model.path / model.source"),
-    "--host": ((), "cluster.net.bind_host"),
-    "--port": ((), "cluster.net.port_min / port_max"),
-    "--tp-size": (("--tensor-parallel-size",), "allocation.server.tp_size"),
-    "--mem-fraction-static": ((), "inference.mem_fraction_static"),
-    "--dtype": ((), "model.dtype"),
-    "--random-seed": ((), "run.seed"),
-    "--max-running-requests": ((), "inference.max_running_requests"),
-}
 
 _PROXY_VARS = ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")
 # Addresses SGLang's start-up warm-up may dial: it requests its own --host, a wildcard included.
@@ -49,8 +37,14 @@ def sglang_command(
     python: str = sys.executable,
     *,
     max_running_requests: int | None = None,
+    nccl_port: int | None = None,
 ) -> list[str]:
-    """The argv that starts one SGLang server; ``extra_args`` are appended verbatim, one item per argv element."""
+    """The argv that starts one SGLang server; ``extra_args`` are appended verbatim, one item per argv element.
+
+    ``nccl_port`` is where SGLang's ranks meet (the TCP store of its torch.distributed setup, on ``host``): a
+    port of the server worker's own port slot. Without it SGLang draws one at random, in 22000-29999, where a
+    port hpcrl gave another worker on the node may be taken first.
+    """
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size} (allocation.server.tp_size)")
     if not 0 < mem_fraction_static < 1:
@@ -63,30 +57,10 @@ def sglang_command(
     cmd += ["--dtype", dtype, "--random-seed", str(seed)]
     if max_running_requests is not None:
         cmd += ["--max-running-requests", str(max_running_requests)]
-    return cmd + check_extra_args(extra_args)
-
-
-def check_extra_args(extra_args: Sequence[str]) -> list[str]:
-    """Return ``extra_args`` as a list, or raise ValueError if one repeats a flag hpcrl sets."""
-    args = list(extra_args)
-    for item in args:
-        if not isinstance(item, str):
-            raise ValueError(f"inference.extra_args items must be strings, got {item!r} in {args!r}")
-        if not item.startswith("--") or item == "--":
-            continue
-        flag = item.split("=", 1)[0]
-        if any(c.isspace() for c in flag):
-            raise ValueError(
-                f"inference.extra_args item {item!r} holds a flag and a value in one argv element; "
-                f"write them as two items ['{flag.split()[0]}', '...'] or as '--flag=value'"
-            )
-        for managed, (aliases, field) in MANAGED_FLAGS.items():
-            if any(spelling.startswith(flag) for spelling in (managed, *aliases)):
-                raise ValueError(
-                    f"inference.extra_args sets {flag}, but hpcrl already passes {managed} to SGLang, which "
-                    f"would silently keep the last one; remove {flag} from inference.extra_args and set {field}"
-                )
-    return args
+    if nccl_port is not None:
+        cmd += ["--nccl-port", port_arg(nccl_port)]
+    launch_args(extra_args)
+    return cmd + list(extra_args)
 
 
 def sglang_env(base_env: Mapping[str, str], bind_host: str = "") -> dict[str, str]:

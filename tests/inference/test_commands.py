@@ -4,6 +4,7 @@ import logging
 
 import pytest
 
+from hpcrl.config import ConfigError
 from hpcrl.config.schema import InferenceConfig
 from hpcrl.inference.commands import server_command
 from hpcrl.inference.sglang import SGLANG_SETUP_TIMEOUT_S, sglang_command, sglang_env
@@ -11,7 +12,9 @@ from hpcrl.inference.sglang import SGLANG_SETUP_TIMEOUT_S, sglang_command, sglan
 PY = "/opt/venv/bin/python"
 
 
-def command(backend: str, host: str = "0.0.0.0", tp_size: int = 1, **inference) -> list[str]:
+def command(
+    backend: str, host: str = "0.0.0.0", tp_size: int = 1, nccl_port: int | None = None, **inference
+) -> list[str]:
     return server_command(
         backend,
         "/models/tiny",
@@ -22,11 +25,12 @@ def command(backend: str, host: str = "0.0.0.0", tp_size: int = 1, **inference) 
         dtype="bfloat16",
         seed=7,
         python=PY,
+        nccl_port=nccl_port,
     )
 
 
 def test_sglang_command_with_tensor_parallelism():
-    assert command("sglang", tp_size=2, mem_fraction_static=0.7, max_running_requests=64) == [
+    assert command("sglang", tp_size=2, nccl_port=24117, mem_fraction_static=0.7, max_running_requests=64) == [
         PY, "-m", "sglang.launch_server",
         "--model-path", "/models/tiny",
         "--host", "0.0.0.0",
@@ -36,7 +40,9 @@ def test_sglang_command_with_tensor_parallelism():
         "--dtype", "bfloat16",
         "--random-seed", "7",
         "--max-running-requests", "64",
+        "--nccl-port", "24117",  # the server worker's, not one SGLang draws at random where another may take it
     ]  # fmt: skip
+    assert "--nccl-port" not in command("cpu", nccl_port=24117)  # its ranks meet over pipes
 
 
 def test_sglang_command_defaults():
@@ -89,12 +95,56 @@ def test_bad_bind_hosts_are_refused(host):
         (["--dtype", "half"], "--dtype", "model.dtype"),
         (["--host", "::"], "--host", "cluster.net.bind_host"),
         (["--max-running-requests", "8"], "--max-running-requests", "inference.max_running_requests"),
+        (["--nccl-port", "29000"], "--nccl-port", "cluster.net.port_min"),
+        (["--nccl-p=29000"], "--nccl-port", "cluster.net.port_min"),
     ],
 )
 def test_extra_args_repeating_a_flag_hpcrl_sets_are_refused(extra, managed, field):
     with pytest.raises(ValueError, match=r"inference\.extra_args") as info:
         command("sglang", extra_args=extra)
     assert managed in str(info.value) and field in str(info.value)
+
+
+EAGLE_SIZES = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [
+        (["--dp-size", "2"], r"--dp-size 2 \(data-parallel replicas\).*2 x tp_size GPUs.*allocation\.server\.workers"),
+        (["--data-parallel-size=2"], r"--data-parallel-size \(--dp-size\) 2 \(data-parallel replicas\)"),
+        (["--dp-size", "2", "--attn-dp-size", "2", "--enable-dp-attention"], r"--dp-size 2 \(data-parallel"),
+        (["--pipeline-parallel-size", "2"], r"--pipeline-parallel-size \(--pp-size\) 2 \(pipeline stages\).*ranks"),
+        (["--pp-size=4", "--enable-dp-attention"], r"--pp-size 4 \(pipeline stages\)"),
+        (["--he"], r"no --he \(--help\): SGLang would print its help and exit"),
+        (["-h"], r"no -h \(--help\)"),
+        (["--conf", "more.yaml"], r"no --conf \(--config\): hpcrl cannot check the options a config file sets"),
+        (["--d", "2"], r"SGLang's launch parser accepts \(ambiguous option: --d could match"),
+        (["--context-length", "4k2"], r"argument --context-length: '4k2' is not an integer"),
+        (["--speculative-algorithm", "EAGLE"], r"--speculative-num-steps, .*given too: .*max\(topk x steps"),
+        (["--speculative-algo=nextn", *EAGLE_SIZES, "--speculative-adaptive"], r"no --speculative-adaptive"),
+        (["--json-model-override-args", "[1]"], r"a JSON object after --json-model-override-args, not a list"),
+    ],
+)
+def test_extra_args_that_cannot_work_are_refused_before_launch(extra, why):
+    with pytest.raises(ConfigError, match=why) as info:
+        command("sglang", extra_args=extra)
+    assert info.value.path == "inference.extra_args" and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--dp-size", "2", "--enable-dp-attention"],  # attention data parallelism: SGLang's --attn-dp-size 2
+        ["--attention-data-parallel-size", "2", "--dp-size", "1"],
+        ["--enable-dp-attention"],  # alone: one attention group, nothing changes
+        ["--context-len", "8k", "--speculative-algorithm", "EAGLE3", *EAGLE_SIZES],
+        ["--speculative-algorithm", "NGRAM"],  # holds no output slots
+        ["--enable-metrics", "--an-option-of-a-later-release", "1"],  # SGLang's to judge
+    ],
+)
+def test_extra_args_that_work_are_passed_on_verbatim(extra):
+    assert command("sglang", extra_args=extra)[-len(extra) :] == extra
 
 
 def test_extra_args_that_are_not_separate_argv_elements_are_refused():
