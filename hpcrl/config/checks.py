@@ -33,6 +33,7 @@ from hpcrl.config.schema import (
 from hpcrl.config.shorthand import SERVER_BACKENDS, TRAINER_BACKENDS, parse_spec
 from hpcrl.inference.openai.chat import TOOL_PARSERS
 from hpcrl.inference.openai.templates import TEMPLATES
+from hpcrl.inference.sglang_args import check_extra_args
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ def validate(cfg: Config) -> Config:
     check_plugin_prompts(cfg.workflow, dataset)
     check_workflow_groups(cfg.workflow, cfg.algorithm.group_size)
     check_inference(cfg.inference)
+    check_extra_args(cfg.inference.extra_args, allocation.server.backend)  # as SGLang parses them
     check_server_restart(cfg)
     check_weight_sync(cfg.train, allocation)
     check_reward(cfg.reward)

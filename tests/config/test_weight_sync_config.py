@@ -49,3 +49,17 @@ def test_the_client_options_follow_the_config(tiny_model):
     )
     sglang.inference.extra_args = ["--context-length", "4096"]  # SGLang's own flag wins over config.json, as there
     assert client_options(sglang)["context_length"] == 4096
+    sglang.inference.extra_args = ["--context-len", "3k", "--enable-metrics"]  # read as SGLang's argparse reads it
+    assert client_options(sglang)["context_length"] == 3000
+
+
+SGLANG = ("allocation.server.backend=sglang", "cluster.gpus_per_node=8")
+
+
+def test_extra_args_that_cannot_work_are_refused_with_the_config():
+    """Before anything is submitted: pipeline stages need GPUs a server worker does not own (sglang_args)."""
+    with pytest.raises(ConfigError, match=r"--pipeline-parallel-size \(--pp-size\) 2 \(pipeline stages\)") as err:
+        load(*SGLANG, "inference.extra_args=[--pipeline-parallel-size,'2']")
+    assert err.value.path == "inference.extra_args"
+    load("inference.extra_args=[--pipeline-parallel-size,'2']")  # the cpu server ignores them (and warns)
+    load(*SGLANG, "inference.extra_args=[--attn-dp-size,'2']")  # attention data parallelism: on the same GPUs
