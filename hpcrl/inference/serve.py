@@ -40,10 +40,19 @@ def start_server(
     seed: int = 0,
     rank: int = 0,
     env: dict[str, str] | None = None,
+    nccl_port: int | None = None,
 ) -> ServerProcess:
-    """Spawn one server; it is not ready until ``wait_ready`` returns."""
+    """Spawn one server; it is not ready until ``wait_ready`` returns. ``nccl_port``: SGLang's ``--nccl-port``."""
     cmd = server_command(
-        backend, model_path, bind_host, port, tp_size=tp_size, inference=inference, dtype=dtype, seed=seed
+        backend,
+        model_path,
+        bind_host,
+        port,
+        tp_size=tp_size,
+        inference=inference,
+        dtype=dtype,
+        seed=seed,
+        nccl_port=nccl_port,
     )
     child_env = {**(env or {}), "HPCRL_RANK": str(rank)}
     if backend == "sglang":

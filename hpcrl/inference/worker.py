@@ -3,7 +3,8 @@
 What a scheduler runs for each server. The worker:
 
 1. reads the run's ``config.yaml`` (``HPCRL_RUN_DIR`` or ``--run-dir``) and its rank (``HPCRL_RANK`` or ``--rank``);
-2. picks its address: a port of its own port slot (``worker_ports``) in ``cluster.net``'s range, the host
+2. picks its address: a port of its own port slot (``worker_ports``) in ``cluster.net``'s range (for SGLang also
+   its ``--nccl-port``, where its ranks meet: ``server_ports``), the host
    it advertises (``cluster.net.advertise_host``, else discovered) and the host it binds
    (``cluster.net.bind_host``, else the wildcard of the advertised address's family);
 3. starts the server of ``allocation.server.backend`` (hpcrl's CPU server or SGLang) as its child, whose
@@ -102,7 +103,7 @@ def serve(cfg: Config, run_dir: RunDir, rank: int, signals: _Signals) -> int:
     """Start, wait for, register and watch one server; returns the worker's exit code."""
     lease = Lease.from_env()  # from the start: loading the model counts against the lease's grace
     advertised, bind = worker_addresses(cfg.cluster.net)
-    port, lease_port = worker_ports(port_range(cfg.cluster.net)).allocate(2)
+    port, lease_port, nccl_port = server_ports(cfg)
     alloc = cfg.allocation.server
     resources = cfg.cluster.roles[ROLE]
     log.info("server %d: %s backend, advertising %s port %d, binding %s", rank, alloc.backend, advertised, port, bind)
@@ -119,6 +120,7 @@ def serve(cfg: Config, run_dir: RunDir, rank: int, signals: _Signals) -> int:
         seed=cfg.run.seed + rank,
         rank=rank,
         env={**cfg.cluster.env, **resources.env},
+        nccl_port=nccl_port,
     )
     try:
         try:
@@ -144,6 +146,15 @@ def serve(cfg: Config, run_dir: RunDir, rank: int, signals: _Signals) -> int:
         return 128 + e.signum
     finally:
         stop_servers([server], grace_s=_STOP_GRACE_S)
+
+
+def server_ports(cfg: Config) -> tuple[int, int, int | None]:
+    """The server's port, its lease endpoint's, and for SGLang the ``--nccl-port`` its ranks meet at (the TCP store
+    of its torch.distributed setup): all of this worker's own port slot, free on this node, which is the server's."""
+    ports = worker_ports(port_range(cfg.cluster.net))
+    port, lease_port = ports.allocate(2)
+    nccl_port = ports.allocate(1)[0] if cfg.allocation.server.backend == "sglang" else None
+    return port, lease_port, nccl_port
 
 
 def model_path(cfg: Config, run_dir: RunDir) -> Path:

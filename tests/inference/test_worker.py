@@ -22,10 +22,12 @@ from hpcrl.config.schema import (
     RunConfig,
 )
 from hpcrl.inference.client import InferenceClient
+from hpcrl.inference.worker import server_ports
 from hpcrl.launch.addresses import port_range
 from hpcrl.launch.base import RoleSpec, WorkerFailed
 from hpcrl.launch.local import LocalScheduler
 from hpcrl.launch.slots import PortSlots
+from hpcrl.net import PortAllocator
 from hpcrl.rundir import RunDir
 
 PARAMS = {"max_new_tokens": 4, "temperature": 0}
@@ -125,3 +127,18 @@ def test_a_bad_model_path_fails_the_wait_fast_with_the_servers_error(tmp_path):
     assert "the server died while starting" in message
     assert str(missing) in message  # the server's own error, from its log tail
     assert scheduler.registry.entries("server") == []
+
+
+@pytest.mark.parametrize("backend", ["sglang", "cpu"])
+def test_a_server_takes_its_ports_nccl_port_included_from_its_own_port_slot(monkeypatch, backend):
+    """SGLang's --nccl-port (its ranks' TCP store) from the worker's slot, not drawn by SGLang in the run's range."""
+    slots = PortSlots({"server": 2, "trainer": 1})
+    for name, value in {**slots.env("server"), "HPCRL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    net = NetConfig(port_min=21000, port_max=24000)
+    cfg = Config(cluster=ClusterConfig(net=net), allocation=AllocationConfig(server=RoleAllocation(backend=backend)))
+    port, lease_port, nccl_port = server_ports(cfg)
+    low, high = PortAllocator(port_range(net), rank=slots.slot("server", 1), world_size=slots.world).slice
+    mine = [port, lease_port] if backend == "cpu" else [port, lease_port, nccl_port]
+    assert len(set(mine)) == len(mine) and all(low <= p < high for p in mine)
+    assert (nccl_port is None) == (backend == "cpu")  # the CPU server's ranks meet over pipes
