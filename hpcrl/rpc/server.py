@@ -142,7 +142,7 @@ class RpcServer:
         self._worker: HandlerThread | None = None
         self._tasks: set[asyncio.Task] = set()  # one per open connection
         self._unauthenticated: dict[Connection, float] = {}  # connection -> when accepted, oldest first
-        self._authenticated: asyncio.Event | None = None  # set when one leaves _unauthenticated
+        self._authenticated = asyncio.Event()  # set when one leaves _unauthenticated (bound to the loop on first use)
         self._busy = 0  # requests read and not yet answered (the handler thread ends some)
         self._busy_lock = threading.Lock()
         self._init_error: BaseException | None = None  # what thread_init raised: every request gets it (500)
@@ -241,7 +241,6 @@ class RpcServer:
 
     async def _accept(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
-        self._authenticated = asyncio.Event()
         while True:
             await self._room_for_a_hello()
             try:
@@ -281,7 +280,7 @@ class RpcServer:
 
     def _authenticated_or_gone(self, conn: Connection) -> None:
         """``conn`` no longer counts against ``max_pending_hellos``."""
-        if self._unauthenticated.pop(conn, None) is not None and self._authenticated is not None:
+        if self._unauthenticated.pop(conn, None) is not None:
             self._authenticated.set()
 
     def _advertised_host(self) -> str:
