@@ -245,10 +245,15 @@ class RpcServer:
             await self._room_for_a_hello()
             try:
                 sock, _ = await loop.sock_accept(listener)
-                conn = Connection(sock, HELLO_SCRATCH_BYTES)
             except OSError as e:  # out of file descriptors, say: the connections already open go on
                 log.warning("RPC server of rank %d could not accept a connection: %r", self.rank, e)
                 await asyncio.sleep(0.1)
+                continue
+            try:
+                conn = Connection(sock, HELLO_SCRATCH_BYTES)
+            except OSError as e:  # reset by the peer already, say
+                log.debug("RPC connection ended as it was accepted: %r", e)
+                sock.close()
                 continue
             self.connections_accepted += 1
             self._unauthenticated[conn] = time.monotonic()
