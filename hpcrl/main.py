@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shlex
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -92,12 +93,34 @@ def run(dcfg: DictConfig) -> None:
                 guard.requeue()
                 print(f"hpcrl: {e}; not requeued (not in a Slurm job): rerun with recover.mode=auto", file=sys.stderr)
                 sys.exit(3)
-    except (Exception, KeyboardInterrupt) as e:  # every worker is stopped by now; say why, then fail
-        log.error("the run failed: %s", e, exc_info=not isinstance(e, KeyboardInterrupt))
+    except KeyboardInterrupt:  # Ctrl-C: every worker is stopped by now
+        log.warning("interrupted (Ctrl-C); every worker is stopped")
+        overrides = list(HydraConfig.get().overrides.task)
+        print(interrupted_message(run_dir, cfg.checkpoint.every_steps, overrides, sweep_job_number()), file=sys.stderr)
+        sys.exit(130)
+    except Exception as e:  # every worker is stopped by now; say why, then fail
+        log.error("the run failed: %s", e, exc_info=True)
         print(f"hpcrl: the run failed ({type(e).__name__}): {e}", file=sys.stderr)
         sys.exit(1)
     (run_dir.path / SUMMARY_FILE).write_text(json.dumps(summary) + "\n")
     print(json.dumps(summary), flush=True)
+
+
+def interrupted_message(run_dir: RunDir, every_steps: int, overrides: list[str], sweep_job: int | None) -> str:
+    """What an interrupted run tells its user: that it was interrupted, and the command that resumes it (the same
+    overrides, with ``recover.mode=auto``), from its newest checkpoint if it wrote any. A sweep's job (Hydra gives
+    it its own values, not the sweep's) is resumed by running the sweep again with ``recover.mode=auto``."""
+    head = f"hpcrl: the run in {run_dir.path} was interrupted (Ctrl-C) and every worker is stopped"
+    where = (
+        f"from its newest checkpoint in {run_dir.checkpoints}"
+        if every_steps
+        else "(it wrote no checkpoint, checkpoint.every_steps=0: it starts again at step 1)"
+    )
+    if sweep_job is not None:
+        return f"{head}; resume it {where} by running the sweep (-m) again with recover.mode=auto"
+    kept = [o for o in overrides if not o.lstrip("+~").startswith("recover.mode=")]
+    command = shlex.join(["python", "-m", "hpcrl.main", *kept, "recover.mode=auto"])
+    return f"{head}; resume it {where} with:\n    {command}"
 
 
 def sweep_job_number() -> int | None:

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -73,6 +74,29 @@ def run_until_killed(tmp_path, trial: str, kill_after: int, delay_s: float | Non
     return log.read_text()
 
 
+def ctrl_c_after_a_step(tmp_path, trial: str, log) -> str:
+    """Start the run, SIGINT its process group (a terminal's Ctrl-C) once it logged a step of its own, and return the
+    command it prints to resume, after checking it says it was interrupted, exits 130 and leaves no process."""
+    run_dir = tmp_path / "default" / trial
+    before = len(steps_logged(run_dir))
+    cmd = [sys.executable, "-m", "hpcrl.main", f"run.root={tmp_path}", f"run.trial={trial}", *SMALL]
+    cmd += [f"run.max_steps={MAX_STEPS}"]
+    with log.open("w") as err:
+        job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        try:
+            wait_until(lambda: len(steps_logged(run_dir)) > before, job, log, "a step")
+            os.killpg(job.pid, signal.SIGINT)
+            code = job.wait(timeout=60)
+        finally:
+            kill_run(job, run_dir)
+    stderr = log.read_text()
+    assert code == 130, stderr[-3000:]
+    assert f"hpcrl: the run in {run_dir} was interrupted (Ctrl-C) and every worker is stopped" in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert not processes_of(str(run_dir)), "no process of the run outlives the interruption"
+    return stderr.strip().splitlines()[-1].strip()
+
+
 def wait_until(condition, job: subprocess.Popen, log, what: str, poll_s: float = 0.1) -> None:
     deadline = time.monotonic() + 300
     while not condition():
@@ -114,7 +138,13 @@ def test_a_run_killed_at_random_steps_resumes_to_its_budget(tmp_path):
         # steps (CI's seed 56332 landed there); a skipped complete checkpoint would lose more
         assert logged - expected_start <= EVERY, "the kill lost more steps than one checkpoint interval"
 
-    result = run_job(tmp_path, f"run.trial={trial}", f"run.max_steps={MAX_STEPS}", *SMALL)
+    # a fourth attempt is interrupted as a terminal's Ctrl-C does it; the command it prints resumes the run to the end
+    command = ctrl_c_after_a_step(tmp_path, trial, tmp_path / "interrupted.err")
+    expected_start = newest_complete_checkpoint(run_dir)
+    assert "recover.mode=auto" in command and f"run.trial={trial}" in command, command
+    argv = shlex.split(command)
+    assert argv[:3] == ["python", "-m", "hpcrl.main"], command
+    result = subprocess.run([sys.executable, *argv[1:]], cwd=REPO, capture_output=True, text=True, timeout=600)
     summary = summary_of(result)
     assert summary["steps"] == MAX_STEPS
     assert summary["resumed_from_step"] == expected_start
