@@ -9,7 +9,9 @@ their addresses there, and the controller reads them.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +82,32 @@ def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def write_dir_atomic(out: Path, fill: Callable[[Path], None]) -> None:
+    """``fill`` a fresh hidden sibling of ``out``, give its files the mode the umask gives any new file (safetensors
+    writes its files 0600, which teammates on a shared cluster cannot read), then rename it to ``out`` (replacing
+    one that is there), so a reader never sees half a directory."""
+    tmp = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    fill(tmp)
+    mode = 0o666 & ~current_umask()
+    for path in tmp.rglob("*"):
+        if path.is_file():
+            os.chmod(path, mode)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+def current_umask() -> int:
+    """This process's umask, read without setting it (``os.umask`` sets it, for every thread at once)."""
+    with open("/proc/self/status") as status:  # Linux >= 4.7
+        for line in status:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    raise RuntimeError("/proc/self/status names no Umask")
 
 
 def fsync_dir(path: Path) -> None:

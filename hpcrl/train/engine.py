@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from hpcrl.config.schema import TrainConfig
+from hpcrl.rundir import write_dir_atomic
 from hpcrl.train.batch import MicroBatch, Normalizer, Sequence, check_optional_fields, collate
 from hpcrl.train.dist import DistInfo, init_distributed
 from hpcrl.train.microbatch import plan
@@ -379,7 +379,7 @@ class Engine:
             _copy_non_weight_files(self.model_path, tmp)
             logger.info("exported step %d to %s", self.step, out)
 
-        run_on_main(info, lambda: _write_into_place(out, fill), what=f"export to {out}")
+        run_on_main(info, lambda: write_dir_atomic(out, fill), what=f"export to {out}")
         return out
 
     def export_weights(self, out_dir: str | Path) -> Path:
@@ -399,20 +399,8 @@ class Engine:
             # no fsync, as save_pretrained does none: the servers read it back through the same page cache
             save_file(state, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
 
-        run_on_main(info, lambda: _write_into_place(out, fill), what=f"weights export to {out}")
+        run_on_main(info, lambda: write_dir_atomic(out, fill), what=f"weights export to {out}")
         return out
-
-
-def _write_into_place(out: Path, fill: Callable[[Path], None]) -> None:
-    """``fill`` a fresh hidden sibling of ``out``, then rename it to ``out`` (replacing one that is there), so a
-    reader never sees half a directory."""
-    tmp = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    fill(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
 
 
 def _shards(world_size: int, mp_policy) -> bool:

@@ -17,13 +17,13 @@ FSDP2: a plain ``nn.Module``; shard each of ``backbone.layers``, then the root, 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
+
+from hpcrl.rundir import write_dir_atomic
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -103,12 +103,11 @@ class ValueModel(nn.Module):
         state = self.state_dict() if state_dict is None else state_dict
         backbone_state = {k.removeprefix("backbone."): v for k, v in state.items() if k.startswith("backbone.")}
         head_state = {k.removeprefix("head."): v.contiguous() for k, v in state.items() if k.startswith("head.")}
-        tmp = out.with_name(f".{out.name}.partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        # save_pretrained empties the dict it is given (transformers 5.x): hand it one of its own
-        self.backbone.save_pretrained(tmp, state_dict=backbone_state, safe_serialization=True)
-        save_file(head_state, tmp / HEAD_FILE, metadata={"format": "pt"})
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+
+        def fill(tmp: Path) -> None:
+            # save_pretrained empties the dict it is given (transformers 5.x): hand it one of its own
+            self.backbone.save_pretrained(tmp, state_dict=backbone_state, safe_serialization=True)
+            save_file(head_state, tmp / HEAD_FILE, metadata={"format": "pt"})
+
+        write_dir_atomic(out, fill)
         return out

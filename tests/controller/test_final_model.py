@@ -4,11 +4,13 @@ held-out rows is the summary's ``eval_accuracy_after``); ``export.every_steps`` 
 the controller's log has a line per step and per evaluation."""
 
 import re
+import stat
 
 import pytest
 
 from hpcrl.data import make_mod10
 from hpcrl.reward.builtin import mod10
+from hpcrl.rundir import current_umask
 from tests.controller.test_job import metrics_of, run_job, summary_of
 
 STEPS, EVAL_SIZE = 6, 100
@@ -71,6 +73,17 @@ def test_intermediate_exports_are_the_model_of_their_step(finished):
     for export in (run_dir / "final", exports / "step_000002"):
         assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in export.iterdir()}
     assert all("time_export_s" in m for m in metrics_of(run_dir) if m["step"] % 2 == 0)
+
+
+@pytest.mark.slow
+def test_exported_files_have_the_umasks_mode_so_teammates_can_read_them(finished):
+    # safetensors writes 0600: model.safetensors in final/ was unreadable to a shared cluster's group
+    _, run_dir = finished
+    mode = 0o666 & ~current_umask()
+    assert mode & 0o040, "the tests run with a umask that lets the group read"
+    for export in (run_dir / "final", run_dir / "exports" / "step_000002"):
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in export.iterdir() if p.is_file()}
+        assert "model.safetensors" in modes and set(modes.values()) == {mode}, modes
 
 
 @pytest.mark.slow

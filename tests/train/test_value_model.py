@@ -2,6 +2,7 @@
 
 import math
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel, AutoModelForCausalLM
 
+from hpcrl.rundir import current_umask
 from hpcrl.train.algorithms.gae import gae_advantages, outcome_token_rewards
 from hpcrl.train.algorithms.value import explained_variance, value_loss
 from hpcrl.train.value_model import HEAD_FILE, ValueModel
@@ -62,6 +64,8 @@ def test_save_and_load_round_trip_exactly(value_model, tmp_path):
     torch.nn.init.constant_(value_model.head.bias, 0.25)
     first = value_model.save_pretrained(tmp_path / "critic")
     assert sorted(p.name for p in first.iterdir()) == ["config.json", "model.safetensors", HEAD_FILE]
+    # the umask's mode, not safetensors' 0600: a team on a shared cluster reads the critic too
+    assert {stat.S_IMODE(p.stat().st_mode) for p in first.iterdir()} == {0o666 & ~current_umask()}
     loaded = ValueModel.from_pretrained(first)
     before, after = value_model.state_dict(), loaded.state_dict()
     assert before.keys() == after.keys()
