@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os.path
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from hpcrl.config.errors import ConfigError, one_of, require
 from hpcrl.config.schema import (
@@ -17,6 +17,7 @@ from hpcrl.config.schema import (
     AllocationConfig,
     ClusterConfig,
     Config,
+    ControllerJob,
     DatasetConfig,
     EvalConfig,
     InferenceConfig,
@@ -25,6 +26,7 @@ from hpcrl.config.schema import (
     NetConfig,
     RewardConfig,
     RoleAllocation,
+    RoleResources,
     RolloutConfig,
     RunConfig,
     TrainConfig,
@@ -467,11 +469,27 @@ def check_recover(cfg: Config) -> None:
         log.warning("recover.mode=auto with checkpoint.every_steps=0: this run writes no checkpoint to resume from")
 
 
+# what only a Slurm job uses: the local scheduler reads a role's setup_timeout_s and env, and the cluster's env
+SLURM_ONLY = ("submit_mode", "queue_timeout_min", "partition", "account", "qos", "time_min", "constraint")
+SLURM_ONLY += ("extra_sbatch", "setup")  # and every cluster.controller setting
+SLURM_ONLY_ROLE = ("cpus_per_worker", "mem_gb", "partition", "account", "qos", "constraint", "time_min")
+SLURM_ONLY_ROLE += ("extra_sbatch", "setup")
+
+
 def warn_ignored(cfg: Config) -> None:
-    """Options that only mean something on Slurm are ignored on a local cluster: say so."""
-    c = cfg.cluster
-    if c.kind != "local":
-        return
-    for name in ("partition", "account", "qos", "extra_sbatch"):
-        if getattr(c, name):
-            log.warning("cluster.%s is ignored with cluster.kind=local", name)
+    """Settings that only mean something on Slurm, set on a local cluster: one line naming each."""
+    if cfg.cluster.kind == "local" and (ignored := slurm_only_settings(cfg.cluster)):
+        log.warning("cluster.kind=local ignores these Slurm settings: %s", ", ".join(ignored))
+
+
+def slurm_only_settings(c: ClusterConfig) -> list[str]:
+    """The Slurm-only settings of ``c`` that differ from their defaults, by their config keys."""
+    found = _changed("cluster", c, ClusterConfig(), SLURM_ONLY)
+    found += _changed("cluster.controller", c.controller, ControllerJob(), [f.name for f in fields(ControllerJob)])
+    for role, res in c.roles.items():
+        found += _changed(f"cluster.roles.{role}", res, RoleResources(), SLURM_ONLY_ROLE)
+    return found
+
+
+def _changed(where: str, value: object, default: object, names) -> list[str]:
+    return [f"{where}.{n}" for n in names if getattr(value, n) != getattr(default, n)]

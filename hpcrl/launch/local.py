@@ -147,8 +147,6 @@ class LocalScheduler(Scheduler):
                 f"{spec.role}: the spec has {spec.workers} workers but the run's PortSlots counts {counted}; "
                 "build PortSlots from the same allocation as the specs"
             )
-        if spec.resources is not None:
-            log.warning("%s: resources=%r is ignored by the local scheduler", spec.role, spec.resources)
 
     def _take_gpus(self, spec: RoleSpec) -> list[str]:
         if GPU_ENV in spec.env:

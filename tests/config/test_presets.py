@@ -103,3 +103,18 @@ def test_a_gpu_allocation_on_the_cpu_cluster_says_what_fixes_it(main_cli):
     result = main_cli("allocation=1node_8gpu", "run.dry_run=true")
     assert result.returncode == 2
     assert "on one GPU machine without Slurm use cluster=local_gpu (or set cluster.gpus_per_node=N)" in result.stderr
+
+
+def test_slurm_settings_on_a_local_cluster_are_named_in_one_line_and_the_local_clusters_own_in_none(caplog):
+    # before: every local run warned twice with a RoleResources dump, though the setup timeouts in it are used
+    with caplog.at_level(logging.WARNING, logger="hpcrl.config.checks"):
+        load()
+    assert caplog.records == []
+    overrides = ["cluster.partition=gpu", "cluster.roles.trainer.mem_gb=64", "cluster.roles.server.setup_timeout_s=9"]
+    with caplog.at_level(logging.WARNING, logger="hpcrl.config.checks"):
+        load(*overrides, "+cluster.roles.server.extra_sbatch=[--exclusive]", "cluster.controller.cpus=4")
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        "cluster.kind=local ignores these Slurm settings: cluster.partition, cluster.controller.cpus, "
+        "cluster.roles.server.extra_sbatch, cluster.roles.trainer.mem_gb"
+    )
