@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import re
 from pathlib import Path
 
 from hpcrl.config.errors import ConfigError
@@ -59,7 +60,7 @@ def check_model_dir(path: str) -> None:
     expected = "a Hugging Face model directory (config.json, tokenizer files, *.safetensors)"
     if not where.is_dir():
         why = "is not a directory" if where.exists() else "does not exist"
-        raise ConfigError("model.path", path, f"{expected}: {where.absolute()} {why}")
+        raise ConfigError("model.path", path, f"{expected}: {where.absolute()} {why}{_hub_hint(path, where)}")
     missing = []
     if not (where / CONFIG_FILE).is_file():
         missing.append(CONFIG_FILE)
@@ -69,6 +70,20 @@ def check_model_dir(path: str) -> None:
         missing.append("weights (*.safetensors or *.bin)")
     if missing:
         raise ConfigError("model.path", path, f"{expected}: {where.absolute()} has no {', no '.join(missing)}")
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # what a Hugging Face Hub repository id looks like
+
+
+def _hub_hint(path: str, where: Path) -> str:
+    """For a ``model.path`` that is no directory here but reads as a Hub id: hpcrl loads only local directories."""
+    if where.exists() or not HUB_ID.fullmatch(path):
+        return ""
+    return (
+        f"; {path!r} looks like a Hugging Face Hub id, and hpcrl downloads nothing (cluster nodes often have no "
+        f"internet): on a machine that has it, `hf download {path} --local-dir DIR`, then model.path=DIR on a "
+        "filesystem the nodes share"
+    )
 
 
 def check_data_files(key: str, files: list[str]) -> None:

@@ -45,6 +45,20 @@ def test_a_model_directory_needs_a_config_a_tokenizer_and_weights(tiny_model, tm
         assert err.value.path == "model.path" and missing in err.value.expected, (path, err.value)
 
 
+def test_a_hub_id_as_model_path_says_hpcrl_downloads_nothing_and_how_to_get_a_local_copy(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        check_model_dir("Qwen/Qwen2.5-0.5B-Instruct")
+    assert err.value.expected.endswith(
+        "does not exist; 'Qwen/Qwen2.5-0.5B-Instruct' looks like a Hugging Face Hub id, and hpcrl downloads nothing "
+        "(cluster nodes often have no internet): on a machine that has it, `hf download Qwen/Qwen2.5-0.5B-Instruct "
+        "--local-dir DIR`, then model.path=DIR on a filesystem the nodes share"
+    )
+    with pytest.raises(ConfigError) as err:  # a path that is no Hub id gets no such hint
+        check_model_dir(str(tmp_path / "nowhere"))
+    assert "Hub id" not in err.value.expected
+
+
 @pytest.mark.parametrize("how", ["dry run", "run", "doctor"])
 def test_a_bad_model_path_fails_before_anything_starts(tiny_model, tmp_path, how):
     (path, missing), *_ = broken_models(tiny_model, tmp_path)  # no config.json
