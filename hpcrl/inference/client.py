@@ -12,8 +12,9 @@ Weight updates follow SGLang 0.5.23's contract: a distributed push is ``begin_we
 each) -> ``end_weight_update``; every tensor-parallel rank of every server is a member of the weight-update
 group (``tp_size``); weight-update calls have their own deadline (``weight_update_timeout_s``: a disk load
 of a large model answers after minutes). A prompt whose length plus ``max_new_tokens`` exceeds
-``context_length`` is never sent: ``ContextLengthError``, or with ``context_overflow="truncate"`` a
-shorter ``max_new_tokens``.
+``context_length`` is never sent, nor one whose prompt reaches SGLang's margin of 6 tokens below it
+(``context.fit``): ``ContextLengthError``, or with ``context_overflow="truncate"`` a shorter
+``max_new_tokens`` when SGLang takes the prompt.
 
 Generation goes to one server per request, picked by ``policy``: ``least_loaded`` (fewest requests in
 flight from this client, ties broken round-robin) or ``round_robin``. The pool can change while requests
@@ -33,7 +34,7 @@ from typing import Any
 
 from hpcrl.inference.client_http import HttpPool, InferenceError, fixed
 from hpcrl.inference.client_wire import ContextLengthError, GenerateResult, check_sampling, check_success, parse_result
-from hpcrl.inference.context import fit
+from hpcrl.inference.context import fit, max_input_len
 from hpcrl.inference.weight_layout import DEFAULT_GROUP, group_layout
 
 __all__ = ["OVERFLOW", "POLICIES", "ContextLengthError", "GenerateResult", "InferenceClient", "InferenceError"]
@@ -61,7 +62,7 @@ class InferenceClient:
         *,
         tp_size: int = 1,  # tensor-parallel ranks of each server: each joins the weight-update group
         weight_update_timeout_s: float = 1800.0,  # deadline of one weight-update call (disk loads take minutes)
-        context_length: int | None = None,  # prompt + max_new_tokens at most; None: not checked here
+        context_length: int | None = None,  # the servers' context, checked by SGLang's rules (context.fit); None: not
         context_overflow: str = "drop",  # drop: ContextLengthError | truncate: fewer new tokens when possible
     ) -> None:
         _check_args(addresses, request_timeout_s, max_retries, backoff_s, policy, max_connections)
@@ -256,9 +257,13 @@ class InferenceClient:
         return await self._http.call_all("GET", "/model_info", self._same(None))
 
     async def abort(self, rid: str | None = None) -> None:
-        """Abort, on every server, the requests whose rid starts with ``rid``, or every request (None)."""
+        """Abort, on every server, the request sent with exactly this ``rid``, or every request (None).
+
+        SGLang matches no prefix: a rid no request in flight holds aborts nothing (a server that knows the
+        rid also ends those whose rids start with it). A batch's prompts run as ``rid_0``, ``rid_1``, ...;
+        abort each by its own rid."""
         if rid == "":
-            raise ValueError("rid must be a non-empty prefix, or None to abort every request")
+            raise ValueError("rid must be a request's rid, or None to abort every request")
         payload: dict[str, Any] = {"abort_all": True} if rid is None else {"rid": rid}
         await self._http.call_all("POST", "/abort_request", self._same(payload), expect_json=False)
 
@@ -371,15 +376,15 @@ class InferenceClient:
         return self.weight_update_timeout_s if timeout_s is None else timeout_s
 
     def _fitted(self, prompt_tokens: int, sampling_params: dict[str, Any]) -> dict[str, Any]:
-        """``sampling_params`` if the request fits the context; else fewer new tokens (truncate), or
-        ContextLengthError."""
+        """``sampling_params`` if SGLang serves the request (``context.fit``: its margins included); else, when
+        SGLang takes the prompt, as many new tokens as it accepts (truncate); else ContextLengthError."""
         new_tokens = sampling_params["max_new_tokens"]
-        if self.context_length is None or not fit(prompt_tokens, new_tokens, self.context_length):
+        context = self.context_length
+        if context is None or not fit(prompt_tokens, new_tokens, context):
             return sampling_params
-        room = self.context_length - prompt_tokens
-        if self.context_overflow == "truncate" and room >= 1:
-            return {**sampling_params, "max_new_tokens": room}
-        raise ContextLengthError(prompt_tokens, new_tokens, self.context_length)
+        if self.context_overflow == "truncate" and prompt_tokens < max_input_len(context):
+            return {**sampling_params, "max_new_tokens": context - prompt_tokens}
+        raise ContextLengthError(prompt_tokens, new_tokens, context)
 
     def _same(self, payload: Any) -> dict[str, Any]:
         return dict.fromkeys(self.addresses, payload)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpcrl.inference.client_http import InferenceError
+from hpcrl.inference.context import max_input_len
 
 
 @dataclass(slots=True)
@@ -19,17 +20,20 @@ class GenerateResult:
 
 
 class ContextLengthError(InferenceError):
-    """A prompt whose length plus ``max_new_tokens`` exceeds the model's context: refused before it is sent.
+    """A request SGLang refuses for its length, refused before it is sent: prompt + ``max_new_tokens`` over the
+    model's context, or a prompt within SGLang's margin of it (``context.fit``, ``context.max_input_len``).
 
     SGLang would answer HTTP 400 (what it says is ``context.fit``); the caller drops the prompt's group and
-    counts it, or the client shortens ``max_new_tokens`` (``context_overflow="truncate"``) when the prompt
-    itself leaves room. ``prompt_tokens``, ``max_new_tokens`` and ``context_length`` say by how much."""
+    counts it, or the client shortens ``max_new_tokens`` (``context_overflow="truncate"``) when SGLang takes
+    the prompt itself. ``prompt_tokens``, ``max_new_tokens`` and ``context_length`` say by how much."""
 
     def __init__(self, prompt_tokens: int, max_new_tokens: int, context_length: int) -> None:
         total = prompt_tokens + max_new_tokens
+        longest = max_input_len(context_length) - 1
         super().__init__(
             f"a prompt of {prompt_tokens} tokens with max_new_tokens={max_new_tokens} ({total} tokens) does not fit "
-            f"the model's context length of {context_length} tokens; not sent (SGLang would answer HTTP 400)",
+            f"the model's context length of {context_length} tokens (SGLang takes prompts of at most {longest} "
+            "tokens, and prompt + max_new_tokens of at most the context); not sent (SGLang would answer HTTP 400)",
             server="",
             endpoint="/generate",
         )

@@ -28,13 +28,13 @@ def free_port() -> int:
 class ServerProc:
     """A real ``python -m hpcrl.inference.server`` child process and plain-HTTP helpers for tests."""
 
-    def __init__(self, model, log_file, host="127.0.0.1", *extra: str):
+    def __init__(self, model, log_file, host="127.0.0.1", *extra: str, env: dict[str, str] | None = None):
         self.model = model
         self.port = free_port()
         self.address = format_hostport(host, self.port)
         self.url = f"http://{self.address}"
         cmd = [sys.executable, "-m", "hpcrl.inference.server", "--model-path", str(model), "--host", host]
-        self.child = spawn("server", [*cmd, "--port", str(self.port), *extra], log_file)
+        self.child = spawn("server", [*cmd, "--port", str(self.port), *extra], log_file, env=env)
         self.wait_healthy(120)
 
     def wait_healthy(self, timeout_s: float) -> None:

@@ -11,7 +11,11 @@ temp directory), and the files are read from the zip:
 - ``srt/managers/io_struct.py`` is parsed, and only the request classes asked for run, with every
   module-level definition they use (type aliases, base classes); names it imports from SGLang, torch,
   numpy or zmq become stand-ins that validate as any value (they type only fields hpcrl never sends);
-- ``srt/entrypoints/http_server.py`` is parsed for its routes and the request class each takes.
+- ``srt/entrypoints/http_server.py`` is parsed for its routes and the request class each takes;
+- one function or method of any file (``Wheel.function``: ``validate_input_length``, the scheduler's
+  ``init_req_max_new_tokens``, the detokenizer's ``trim_matched_stop``, ...) runs alone, with the names it
+  calls given by the test, and one function's assignments (``Wheel.assignments``: ``max_req_input_len``)
+  run in a namespace the test gives: SGLang's own arithmetic, without its runtime.
 
 The classes validate as FastAPI validates an HTTP body: pydantic (``TypeAdapter``), through the schema
 SGLang's own ``BaseReq.__get_pydantic_core_schema__`` gives its msgspec structs. This module holds no
@@ -105,6 +109,40 @@ class Wheel:
         return partial_module(
             f"{PACKAGE}.io_struct", self.source(member), f"{self.path}!sglang/{member}", wanted, given
         )
+
+    def function(self, member: str, name: str, namespace: dict[str, Any], cls: str | None = None) -> Any:
+        """Function ``name`` of a wheel file (a method of class ``cls`` when given), compiled alone; at call time
+        it sees only ``namespace``. Decorators are dropped and annotations left unevaluated."""
+        node = _definition(ast.parse(self.source(member)), name, cls, member)
+        node.decorator_list = []
+        space = dict(namespace)
+        exec(self._compile([node], member), space)
+        return space[name]
+
+    def assignments(
+        self, member: str, function: str | None, names: list[str], namespace: dict[str, Any], cls: str | None = None
+    ) -> dict[str, Any]:
+        """Run, in source order, the assignments to ``names`` in the body of ``function`` (of ``cls``; the file's
+        top level when None) with the values ``namespace`` gives the names they read; return ``namespace``
+        with the assigned values."""
+        tree = ast.parse(self.source(member))
+        body = tree.body if function is None else list(ast.walk(_definition(tree, function, cls, member)))
+        found = [
+            s
+            for s in body
+            if isinstance(s, ast.Assign) and any(isinstance(t, ast.Name) and t.id in names for t in s.targets)
+        ]
+        assigned = {t.id for s in found for t in s.targets if isinstance(t, ast.Name)}
+        if set(names) - assigned:
+            raise LookupError(f"{member}::{function} assigns no {sorted(set(names) - assigned)}: has SGLang moved it?")
+        space = dict(namespace)
+        exec(self._compile(sorted(found, key=lambda s: s.lineno), member), space)
+        return space
+
+    def _compile(self, nodes: list[ast.stmt], member: str) -> Any:
+        module = ast.fix_missing_locations(ast.Module(nodes, []))
+        flags = __import__("__future__").annotations.compiler_flag  # annotations stay unevaluated strings
+        return compile(module, f"{self.path}!sglang/{member}", "exec", flags=flags, dont_inherit=True)
 
     def routes(self) -> dict[str, dict[str, Any]]:
         """{path: {"methods", "body" (the request class's name or None), "required"}} of ``http_server.py``."""
@@ -211,6 +249,17 @@ def _body_param(function: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple[str |
         elif isinstance(ann, ast.Name) and ann.id.endswith(("ReqInput", "Req")):
             return ann.id, default is None
     return None, False
+
+
+def _definition(tree: ast.Module, name: str, cls: str | None, member: str) -> ast.FunctionDef | ast.AsyncFunctionDef:
+    """The top-level function ``name`` of a parsed file, or the method ``name`` of its class ``cls``."""
+    body = tree.body
+    if cls is not None:
+        body = next((n.body for n in body if isinstance(n, ast.ClassDef) and n.name == cls), [])
+    for node in body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name:
+            return node
+    raise LookupError(f"{member} defines no {cls + '.' if cls else ''}{name}: has SGLang renamed it?")
 
 
 def _bound_names(node: ast.stmt) -> list[str]:

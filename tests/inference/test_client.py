@@ -249,9 +249,11 @@ def test_a_prompt_over_the_context_length_is_refused_before_it_is_sent():
             assert isinstance(e.value, InferenceError)  # the executor's failure policy applies to it too
             with pytest.raises(ContextLengthError):
                 await client.generate_many([[1] * 4, [1] * 16], {"max_new_tokens": 1})
+            with pytest.raises(ContextLengthError, match=r"SGLang takes prompts of at most 9 tokens"):
+                await client.generate([1] * 10, {"max_new_tokens": 1})  # within SGLang's margin: 16 - 1 - 5
             assert fake.requests == [], "nothing over the context may reach a server: SGLang answers HTTP 400"
-            await client.generate([1] * 12, {"max_new_tokens": 4})  # exactly the context
-            assert fake.bodies("/generate")[0]["sampling_params"] == {"max_new_tokens": 4}
+            await client.generate([1] * 9, {"max_new_tokens": 7})  # the longest prompt, exactly the context
+            assert fake.bodies("/generate")[0]["sampling_params"] == {"max_new_tokens": 7}
 
     run(body())
 
@@ -260,12 +262,14 @@ def test_context_overflow_truncate_sends_fewer_new_tokens_when_the_prompt_leaves
     async def body():
         options = {"context_length": 16, "context_overflow": "truncate"}
         async with fake_servers(1) as [fake], InferenceClient([fake.address], **options) as client:
-            result = await client.generate([1] * 12, {"max_new_tokens": 10, "temperature": 1.0})
-            assert len(result.output_ids) == 4
-            assert fake.bodies("/generate")[0]["sampling_params"] == {"max_new_tokens": 4, "temperature": 1.0}
-            await client.generate_many([[1] * 2, [1] * 14], {"max_new_tokens": 5})
-            assert fake.bodies("/generate")[1]["sampling_params"] == [{"max_new_tokens": 5}, {"max_new_tokens": 2}]
-            with pytest.raises(ContextLengthError):  # a prompt that fills the context leaves no room at all
-                await client.generate([1] * 16, {"max_new_tokens": 1})
+            result = await client.generate([1] * 9, {"max_new_tokens": 10, "temperature": 1.0})
+            assert len(result.output_ids) == 7
+            assert fake.bodies("/generate")[0]["sampling_params"] == {"max_new_tokens": 7, "temperature": 1.0}
+            await client.generate_many([[1] * 2, [1] * 8], {"max_new_tokens": 10})
+            assert fake.bodies("/generate")[1]["sampling_params"] == [{"max_new_tokens": 10}, {"max_new_tokens": 8}]
+            for prompt in (16, 10):  # one that fills the context; one within SGLang's margin, which refuses it
+                with pytest.raises(ContextLengthError):
+                    await client.generate([1] * prompt, {"max_new_tokens": 1})
+            assert len(fake.bodies("/generate")) == 2
 
     run(body())

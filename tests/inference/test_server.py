@@ -1,5 +1,6 @@
 """hpcrl's CPU server as a real process over real HTTP, checked against in-process transformers."""
 
+import re
 import threading
 import time
 
@@ -65,7 +66,8 @@ def test_text_batch_and_n_samples(server):
     )
     assert status == 200 and len(answers) == 6
     assert all(len(a["output_ids"]) == 3 and "output_token_logprobs" not in a["meta_info"] for a in answers)
-    assert answers[0]["meta_info"]["id"].endswith("-0") and answers[2]["meta_info"]["id"].endswith("-2")
+    ids = [a["meta_info"]["id"] for a in answers]
+    assert len(set(ids)) == 6 and all(re.fullmatch("[0-9a-f]{32}", i) for i in ids), "SGLang gives n > 1 fresh rids"
 
 
 def test_stop_token_ids_end_generation_with_stop(server, tiny_model):

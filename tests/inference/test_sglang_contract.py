@@ -121,10 +121,10 @@ async def every_path(addresses: list[str], work: Path) -> None:
         await workflow.run("3+4=", "7")
         await client.generate([5, 6], {"max_new_tokens": 3}, rid="episode-1-0", return_logprob=False)
         await client.generate_many([[5, 6], [7]], {"max_new_tokens": 2, "temperature": 0})
-        await client.generate_many([[5] * 60, [7]], {"max_new_tokens": 8})  # one cut to the context: a list
+        await client.generate_many([[5] * 56, [7]], {"max_new_tokens": 10})  # one cut to the context: a list
         await client.model_info()
         await client.flush_cache()
-        await client.abort("episode-1-")
+        await client.abort("episode-1-0")
         await client.abort()
         for mode in ("abort", "retract", "in_place"):
             await client.pause(mode)

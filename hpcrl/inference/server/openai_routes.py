@@ -22,7 +22,6 @@ from typing import Any
 
 from aiohttp import web
 
-from hpcrl.inference.context import fit
 from hpcrl.inference.openai.chat import ChatFormat, decode_answer
 from hpcrl.inference.openai.errors import OpenAIError
 from hpcrl.inference.openai.protocol import (
@@ -111,7 +110,8 @@ class OpenAIRoutes:
         return [self._choice(seq, len(ids), sampling, tools, tool_choice) for seq, ids in pairs]
 
     def _params(self, ids: list[int], sampling: Sampling) -> dict[str, Any]:
-        """One sample's sampling parameters, after SGLang's context rule (a 400, or cut with auto-truncate)."""
+        """One sample's sampling parameters, after SGLang's context rules (``Server.admit``: a 400, or cut with
+        auto-truncate, and the new tokens capped 2 short of the context)."""
         context = self.server.context_length
         params = sampling.params(self.defaults)
         asked = sampling.max_new_tokens
@@ -120,13 +120,7 @@ class OpenAIRoutes:
                 f"max_completion_tokens is too large: {asked}.This model supports at most {context} completion tokens."
             )
         params.setdefault("max_new_tokens", max(context - len(ids), 0))
-        problem = fit(len(ids), params["max_new_tokens"], context)
-        if problem:
-            if not self.server.allow_auto_truncate:
-                raise OpenAIError(problem)
-            log.warning("%s Truncating (--allow-auto-truncate).", problem)
-            del ids[context:]
-            params["max_new_tokens"] = max(0, min(params["max_new_tokens"], context - len(ids)))
+        params["max_new_tokens"] = self.server.admit(ids, params["max_new_tokens"])
         return params
 
     def _sampling_params(self, params: dict[str, Any], seed: int | None) -> SamplingParams:

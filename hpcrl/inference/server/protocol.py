@@ -1,15 +1,22 @@
 """SGLang's ``/generate`` request and response, as JSON, for the CPU server.
 
-A request holds exactly one of ``text`` / ``input_ids``, single or batched; ``sampling_params``,
-``return_logprob`` and ``rid`` may be one value or one per prompt. ``n`` samples of one prompt come
-back as a list, prompt-major, like a batch. Fields the CPU server cannot honour are refused with
-HTTP 400 rather than silently ignored.
+A request holds exactly one of ``text`` / ``input_ids``, single or batched; ``sampling_params`` and
+``return_logprob`` may be one value or one per prompt. ``n`` samples of one prompt come back as a list,
+prompt-major, like a batch. Fields the CPU server cannot honour are refused with HTTP 400 rather than
+silently ignored.
+
+``rid`` is SGLang's (``srt/managers/io_struct.py``, ``GenerateReqInput._normalize_rid`` and
+``_validate_rid_uniqueness``): a single prompt keeps its string (a fresh hex id without one); a batch
+given one string ``r`` makes ``r_0``, ``r_1``, ...; a list names each prompt and must have one entry per
+prompt; a rid twice in one batch is a 400. With ``n > 1`` every sample gets a fresh hex id, as SGLang's
+tokenizer manager gives it (``regenerate_rid``): such samples cannot be aborted by the rid sent.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +30,7 @@ KNOWN_FIELDS |= {"logprob_start_len", "top_logprobs_num", "return_text_in_logpro
 class Prompt:
     """One prompt of a request, before ``n`` expands it into sequences."""
 
-    rid: str
+    rids: list[str]  # one per sample (``n`` of them)
     input_ids: list[int]
     params: SamplingParams
     return_logprob: bool
@@ -47,10 +54,44 @@ def parse_generate(body: Any, tokenize, vocab_size: int) -> tuple[list[Prompt], 
         where = f"input_ids[{i}]" if batched else "input_ids"
         _check_ids(prompt_ids, where, vocab_size)
         params = SamplingParams.from_json(_nth(body.get("sampling_params"), i, batched), _nth_where(body, i, batched))
-        rid = _nth(body.get("rid"), i, batched) or uuid.uuid4().hex
-        prompts.append(Prompt(str(rid), prompt_ids, params, bool(_nth(body.get("return_logprob"), i, batched))))
-    single = not batched and prompts[0].params.n == 1
+        prompts.append(Prompt([], prompt_ids, params, bool(_nth(body.get("return_logprob"), i, batched))))
+    n = _parallel_samples(prompts)
+    single = not batched and n == 1
+    for prompt, rids in zip(prompts, sample_rids(body.get("rid"), len(prompts), n, single), strict=True):
+        prompt.rids = rids
     return prompts, single
+
+
+def sample_rids(rid: Any, batch_size: int, n: int, single: bool) -> list[list[str]]:
+    """Each prompt's sample rids from a request's ``rid``, as SGLang makes them (see the module docstring)."""
+    if single:
+        if rid is not None and not isinstance(rid, str):
+            raise RequestError(f"rid must be a string for a single prompt, got {rid!r}")
+        return [[uuid.uuid4().hex if rid is None else rid]]
+    if rid is None:
+        rids = [uuid.uuid4().hex for _ in range(batch_size * n)]
+    elif isinstance(rid, str):
+        rids = [f"{rid}_{i}" for i in range(batch_size * n)]
+    elif isinstance(rid, list) and all(isinstance(r, str) for r in rid):
+        if len(rid) != batch_size:
+            raise RequestError("The specified rids length mismatch with the batch_size for batch processing.")
+        rids = rid
+    else:
+        raise RequestError("The rid should be a string or a list of strings.")
+    duplicates = [r for r, count in Counter(rids).items() if count > 1]
+    if duplicates:
+        raise RequestError(f"Duplicate request IDs detected within the request: {duplicates}")
+    if n > 1:
+        return [[uuid.uuid4().hex for _ in range(n)] for _ in range(batch_size)]
+    return [[r] for r in rids]
+
+
+def _parallel_samples(prompts: list[Prompt]) -> int:
+    """``n``, which SGLang requires to be the same for every prompt of a request."""
+    counts = {p.params.n for p in prompts}
+    if len(counts) > 1:
+        raise RequestError("The parallel_sample_num should be the same for all samples in sample params.")
+    return counts.pop()
 
 
 def response(seq, prompt: Prompt, text: str) -> dict[str, Any]:
@@ -67,6 +108,17 @@ def response(seq, prompt: Prompt, text: str) -> dict[str, Any]:
     if prompt.return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(seq.logprobs, seq.output_ids, strict=True)]
     return {"text": text, "output_ids": seq.output_ids, "meta_info": meta}
+
+
+def output_text(output_ids: list[int], finish_reason: dict[str, Any] | None, decode) -> str:
+    """A sequence's ``text``, as SGLang's detokenizer makes it (``managers/detokenizer_manager.py``,
+    ``trim_matched_stop``): without the stop token that ended it (its id stays in ``output_ids`` and in
+    ``finish_reason.matched``), cut before the first occurrence of the stop string that ended it."""
+    matched = (finish_reason or {}).get("matched")
+    ids = output_ids[:-1] if isinstance(matched, int) and output_ids else output_ids
+    text = decode(ids)
+    at = text.find(matched) if isinstance(matched, str) else -1
+    return text[:at] if at != -1 else text
 
 
 def _refuse_unsupported(body: dict) -> None:

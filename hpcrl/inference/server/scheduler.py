@@ -78,7 +78,11 @@ class Scheduler:
         await asyncio.gather(*(seq.done for seq in sequences))
 
     def abort(self, rid: str | None = None) -> int:
-        """Abort requests whose rid starts with ``rid`` (SGLang's match); every request when rid is None."""
+        """Abort every request when rid is None; else, as SGLang 0.5.23 does, nothing unless a request with
+        exactly ``rid`` is in flight (its tokenizer manager forwards only a rid it knows: ``abort_request``),
+        and then every request whose rid starts with ``rid`` (its scheduler's match). Returns how many."""
+        if rid is not None and rid not in self.rids_in_flight():
+            return 0
         hit = 0
         for seq in [*self.waiting, *self.running.values()]:
             if rid is None or seq.rid.startswith(rid):
@@ -88,6 +92,10 @@ class Scheduler:
             self.waiting.remove(seq)
             self._finish(seq, {"type": "abort", "message": "aborted by /abort_request"})
         return hit
+
+    def rids_in_flight(self) -> set[str]:
+        """The rids of the requests queued or running."""
+        return {seq.rid for seq in [*self.waiting, *self.running.values()]}
 
     def idle(self) -> bool:
         """Nothing runs and nothing waits (while paused, waiting requests do not count): SGLang's condition
@@ -228,14 +236,17 @@ class Scheduler:
             state.seq_ids = []
 
     def _stop_reason(self, seq: Sequence) -> dict[str, Any] | None:
+        """Why a sequence stops after its last token, in SGLang's order (``Req.update_finish_state``): a stop
+        string, then a stop token (none with ``ignore_eos``, which also turns off ``stop_token_ids``), then
+        the length."""
         token, p = seq.output_ids[-1], seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.runner.eos_ids):
-            return {"type": "stop", "matched": token}
         if p.stop:
             text = self.runner.tokenizer.decode(seq.output_ids)
             for s in p.stop:
                 if s in text:
                     return {"type": "stop", "matched": s}
+        if not p.ignore_eos and (token in p.stop_token_ids or token in self.runner.eos_ids):
+            return {"type": "stop", "matched": token}
         if len(seq.output_ids) >= p.max_new_tokens:
             return {"type": "length", "length": len(seq.output_ids)}
         if len(seq.prompt_ids) + len(seq.output_ids) >= self.runner.max_positions:
