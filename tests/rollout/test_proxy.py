@@ -331,7 +331,8 @@ def test_a_prompt_too_long_for_the_context_is_context_length_exceeded_kept_on_th
             c = agent_client(proxy.base_url(log))
             with pytest.raises(openai.BadRequestError) as refused:  # 13 prompt tokens + 4 new > 16
                 await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "1+2=3+4=5+6=7"}])
-            fits = await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "1+2=3+4=5+"}])
+            # 9 tokens: the longest prompt SGLang takes in a context of 16 (16 - 1 - 5 - 1, its margin)
+            fits = await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "1+2=3+4=5"}])
             return refused.value, fits, log
 
     error, fits, log = run(episode())
@@ -339,7 +340,7 @@ def test_a_prompt_too_long_for_the_context_is_context_length_exceeded_kept_on_th
     assert "a prompt of 13 tokens with max_new_tokens=4 (17 tokens)" in error.message
     assert "context length of 16 tokens" in error.message
     assert isinstance(log.error, ContextLengthError), "kept, so the episode's failure is counted as too_long"
-    assert [c.prompt_ids for c in log.completions] == [ids(tokenizer, "1+2=3+4=5+")] and fits.usage.prompt_tokens == 10
+    assert [c.prompt_ids for c in log.completions] == [ids(tokenizer, "1+2=3+4=5")] and fits.usage.prompt_tokens == 9
 
 
 def test_an_inference_failure_is_a_502_kept_on_the_episode(tmp_path):
