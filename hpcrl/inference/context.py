@@ -17,7 +17,7 @@ rules to its context length (it has no KV pool smaller than that), and the clien
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,15 +37,9 @@ def context_of_config(config: Mapping[str, Any]) -> int:
     return DEFAULT_CONTEXT
 
 
-def context_length(model_path: str | Path, extra_args: Sequence[str] = ()) -> int:
-    """The context length a server of ``model_path`` enforces: ``--context-length`` in ``extra_args`` (the
-    last one, as SGLang's argparse keeps it), else the model's ``config.json``."""
-    given = _flag_value(extra_args, "--context-length")
-    if given is not None:
-        try:
-            return int(given)
-        except ValueError:
-            raise ValueError(f"inference.extra_args: --context-length {given!r} is not an integer") from None
+def context_length(model_path: str | Path) -> int:
+    """The context length of ``model_path``'s ``config.json``, SGLang's way (``sglang_args.served_context`` applies
+    what ``inference.extra_args`` changes)."""
     path = Path(model_path) / "config.json"
     try:
         config = json.loads(path.read_text())
@@ -96,13 +90,3 @@ def served(prompt_tokens: int, max_new_tokens: int, context: int) -> tuple[int, 
         max_new_tokens = max(0, context - prompt_tokens)
     max_new_tokens = max(0, min(max_new_tokens, (context - 1) - prompt_tokens - 1))
     return min(prompt_tokens, max(max_input_len(context), 0)), max_new_tokens
-
-
-def _flag_value(args: Sequence[str], flag: str) -> str | None:
-    value = None
-    for i, item in enumerate(args):
-        if item == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif item.startswith(flag + "="):
-            value = item.split("=", 1)[1]
-    return value
