@@ -82,6 +82,7 @@ def load_checkpoint(engine: Engine, directory: str | Path) -> None:
     dcp.load(state, checkpoint_id=path, process_group=info.meta_group)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(trainer_state["scheduler"])
+    apply_settings(engine)
     engine.step = int(trainer_state["step"])
     logger.info(
         "loaded checkpoint of step %d from %s (saved by %d rank(s), loaded on %d)",
@@ -90,6 +91,22 @@ def load_checkpoint(engine: Engine, directory: str | Path) -> None:
         trainer_state["world_size"],
         info.world_size,
     )
+
+
+def apply_settings(engine: Engine) -> None:
+    """The engine's own settings over a loaded checkpoint's: torch restores each param group's ``lr``,
+    ``initial_lr`` and ``weight_decay`` (``Optimizer.load_state_dict``) and the schedule's ``base_lrs`` and last
+    rate (``LRScheduler.load_state_dict``), so a run resumed with a new ``train.lr`` or ``train.weight_decay``
+    would train on with the old ones. The rate of the next update is the new lr times the schedule's factor at the
+    restored update count (the schedule built from this run's settings: warm-up, cosine over ``run.max_steps``)."""
+    optimizer, scheduler = engine.optimizer, engine.scheduler
+    assert optimizer is not None and scheduler is not None
+    lr = engine.train.lr
+    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+        group["initial_lr"], group["weight_decay"] = lr, engine.train.weight_decay
+        group["lr"] = lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
 
 
 def write_synced(path: Path, text: str) -> None:
