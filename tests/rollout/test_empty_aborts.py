@@ -249,6 +249,20 @@ def test_aborts_of_a_weight_update_or_with_progress_never_fail_the_sample(script
     assert len(sample.output_ids) == 8 and sample.finish_reason == "length"
 
 
+def test_an_interrupted_sample_that_reached_the_context_margin_ends_as_length_not_refused():
+    # prompt 2 + 5 tokens = 7 = max_input_len(13): SGLang refuses that as a prompt, so the sample cannot go on;
+    # before, the client refused the resubmission (ContextLengthError) and its group counted as too long
+    async def body():
+        resumed = resumed_event()
+        client = Scripted([(5, "abort", True), (3, "length", False)], resumed)
+        client.context_length = 13
+        single = SingleTurn(client, make_tokenizer(), {**SAMPLING, "max_new_tokens": 8}, 1, Zero(), resumed)  # type: ignore[arg-type]
+        return client, await single.sample([4, 5])
+
+    client, sample = run(body())
+    assert client.sent == 1 and len(sample.output_ids) == 5 and sample.finish_reason == "length"
+
+
 def test_a_weight_updates_aborts_neither_count_nor_restart_the_count():
     client, error = sample_by([EMPTY, EMPTY, PAUSED, PAUSED, EMPTY, (8, "length", False)])
     assert isinstance(error, NoProgress) and client.sent == 5, "the third empty abort outside an update fails it"

@@ -22,6 +22,7 @@ import asyncio
 from typing import Any
 
 from hpcrl.inference.client import GenerateResult, InferenceClient, InferenceError
+from hpcrl.inference.context import max_input_len
 from hpcrl.rollout.workflows.base import Group, Rewarder, Sample, derive_seed, version_number
 
 MAX_EMPTY_ABORTS = 8  # rollout.max_empty_aborts's default
@@ -84,7 +85,9 @@ class SingleTurn:
                 empty[i] = _empty_aborts(empty[i], result, paused)
                 if len(empty[i]) >= self.max_empty_aborts:
                     raise _no_progress(empty[i])
-            pending = [i for i in pending if _interrupted(samples[i], budget)]
+            pending = [
+                i for i in pending if _interrupted(samples[i], budget) and self._resumable(prompt_ids, samples[i])
+            ]
         for sample in samples:
             sample.finish_reason = "length" if sample.finish_reason == "abort" else sample.finish_reason
             sample.text = self.tokenizer.decode(sample.output_ids, skip_special_tokens=True)
@@ -102,6 +105,13 @@ class SingleTurn:
         if seed is not None:
             params["sampling_seed"] = derive_seed(seed, done)
         return params
+
+    def _resumable(self, prompt_ids: list[int], sample: Sample) -> bool:
+        """Whether SGLang takes the interrupted sample's prompt plus its tokens so far as a prompt: one that reaches
+        its margin below the context (``context.max_input_len``) is refused, so the sample ends there, as "length"
+        (it was a handful of tokens from SGLang's own early stop), not as a request the client refuses."""
+        context = getattr(self.client, "context_length", None)
+        return context is None or len(prompt_ids) + len(sample.output_ids) < max_input_len(context)
 
     async def sample(self, prompt_ids: list[int], seed: int | None = None) -> Sample:
         """One completion (a group of one), resubmitted after an abort until its token budget or a stop ends it;
