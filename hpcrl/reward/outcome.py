@@ -12,6 +12,7 @@ class RewardOutcome:
     value: float | None = None  # the reward; None when the call failed
     error: str | None = None  # e.g. "raised ValueError: bad answer" or "timed out after 2 s"; None on success
     timed_out: bool = False  # the call ran past reward.timeout_s (its worker was killed)
+    parts: dict[str, float] | None = None  # reward.fn as a list: each function's own value by name; None otherwise
 
     @property
     def ok(self) -> bool:

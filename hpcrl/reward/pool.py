@@ -2,11 +2,17 @@
 
     with RewardPool("hpcrl.reward.builtin:mod10", workers=2, timeout_s=10.0) as pool:
         outcomes = await pool.score([(prompt, completion, answer), ...])   # one RewardOutcome per item
+    with RewardPool(["pkg.rewards:fmt", "pkg.rewards:exact"], weights=[0.2, 1.0]) as pool:   # reward.fn as a list
+        outcomes = await pool.score([(prompt, completion, answer, {"column": value}), ...])  # value and parts
 
-Each worker is a subprocess, ``python -m hpcrl.reward.worker SPEC`` (see ``worker.py`` for its wire),
-that imports the reward function itself: only the spec string, and then plain strings and floats,
-cross the process boundary, so a lambda or a ``__main__`` function cannot be shipped. The spec is also
-resolved here, before any worker starts, so a bad spec fails at once with the import error. Workers see
+An item is ``(prompt, completion, answer)``, or with a fourth element the row's columns the functions take
+by name (``hpcrl.reward.registry``). A list of functions scores an item with each, in one call: its value
+is their weighted sum, its ``parts`` each function's own value by name.
+
+Each worker is a subprocess, ``python -m hpcrl.reward.worker INDEX SPEC ...`` (see ``worker.py`` for its
+wire), that imports the reward functions itself: only the spec strings, and then JSON values (the items,
+the rewards), cross the process boundary, so a lambda or a ``__main__`` function cannot be shipped. The specs
+are also resolved here, before any worker starts, so a bad spec fails at once with the import error. Workers see
 this process's ``sys.path`` (through PYTHONPATH) and run in their own session, so a Ctrl-C at the
 terminal reaches only this process, which ends them.
 
@@ -22,7 +28,8 @@ remaining items. A worker that dies mid-call (``os._exit``, a segfault, the OOM 
 item it was scoring and is replaced the same way; one found dead between batches fails no item. Other
 workers carry on meanwhile.
 
-A function marked ``@in_process`` (``hpcrl.reward.registry``; the builtin ``mod10`` is) starts no worker:
+A function marked ``@in_process`` (``hpcrl.reward.registry``; the builtin ``mod10`` is), or a list of them only,
+starts no worker:
 ``score`` calls it in this process, item by item, with no timeout, as the mark promises it needs none.
 
 ``close`` (or leaving the ``with`` block) fails batches not yet scored, ends every worker by PID and
@@ -44,7 +51,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,14 +59,14 @@ from typing import Any
 
 from hpcrl.launch.process import IGNORE_USR2, Child, stop_all
 from hpcrl.reward.outcome import RewardOutcome
-from hpcrl.reward.registry import resolve, runs_in_process
+from hpcrl.reward.registry import RewardFns, specs_of
 from hpcrl.reward.worker import score_one
 
 __all__ = ["RewardOutcome", "RewardPool", "WorkerStartError"]
 
 log = logging.getLogger(__name__)
 
-Item = tuple[str, str, str]  # (prompt, completion, answer)
+Item = tuple[str, str, str, Mapping[str, Any]]  # (prompt, completion, answer, the row's columns); or the first three
 
 _KILL_GRACE_S = 2.0  # a timed-out worker's grace between SIGTERM and SIGKILL
 _CLOSE_JOIN_S = 10.0  # how long close() waits for each driver thread after the workers are ended
@@ -77,15 +84,16 @@ class _Batch:
 
 
 class RewardPool:
-    """Reward processes for one reward function; ``with`` starts them and ends them by PID."""
+    """Reward processes for one reward function (or a weighted list); ``with`` starts them and ends them by PID."""
 
     def __init__(
         self,
-        spec: str,  # "package.module:function", imported in each worker
+        spec: str | Sequence[str],  # "package.module:function", or a list of them, imported in each worker
         workers: int = 2,  # reward processes
-        timeout_s: float = 10.0,  # seconds one call may take before it fails and its worker is replaced
+        timeout_s: float = 10.0,  # seconds one call (every function of a list) may take before it fails
         start_timeout_s: float = 60.0,  # seconds a worker gets to import the reward and report ready
         max_batch: int = 64,  # the most items sent to a worker in one message
+        weights: Sequence[float] = (),  # a list's weight of each function; () = 1 each
     ) -> None:
         if not (isinstance(workers, int) and workers >= 1):
             raise ValueError(f"RewardPool: workers must be an integer >= 1, got {workers!r}")
@@ -94,9 +102,10 @@ class RewardPool:
                 raise ValueError(f"RewardPool: {name} must be seconds > 0, got {value!r}")
         if not (isinstance(max_batch, int) and max_batch >= 1):
             raise ValueError(f"RewardPool: max_batch must be an integer >= 1, got {max_batch!r}")
-        fn = resolve(spec)  # a bad spec fails here, with the import error, before any process starts
-        self._here = fn if runs_in_process(fn) else None  # marked @in_process: scored here, no workers
-        self.spec = spec
+        # a bad spec fails here, with the import error, before any process starts
+        self.fns = RewardFns.resolve(spec, weights)
+        self._here = self.fns.in_process  # every function marked @in_process: scored here, no workers
+        self.spec = spec if isinstance(spec, str) else " + ".join(specs_of(spec))  # for messages
         self.workers = workers
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
@@ -106,7 +115,7 @@ class RewardPool:
         self._lock = threading.Lock()  # orders worker starts against close()
         self._closed = False
         self._started = False
-        self._procs = [] if self._here else [_Worker(spec, i) for i in range(workers)]
+        self._procs = [] if self._here else [_Worker(specs_of(spec), self.spec, i) for i in range(workers)]
         self._drivers: list[threading.Thread] = []
 
     # ---- lifecycle
@@ -169,6 +178,11 @@ class RewardPool:
         """The PIDs of the worker processes now running (they change when a worker is replaced)."""
         return [p.pid for p in self._procs if p.pid is not None]
 
+    @classmethod
+    def for_config(cls, reward: Any) -> RewardPool:
+        """The pool of a run's ``reward`` section (``RewardConfig``): reward.fn, reward.weights, workers, timeout."""
+        return cls(reward.fn, reward.workers, reward.timeout_s, weights=reward.weights)
+
     def __enter__(self) -> RewardPool:
         return self.start()
 
@@ -177,32 +191,38 @@ class RewardPool:
 
     # ---- scoring
 
-    async def score(self, items: Sequence[Item]) -> list[RewardOutcome]:
-        """Score ``(prompt, completion, answer)`` items; one outcome per item, in order. Never blocks the loop
-        (a function marked ``@in_process`` is called right here: it returns in microseconds)."""
+    async def score(self, items: Sequence[Item | tuple[str, str, str]]) -> list[RewardOutcome]:
+        """Score ``(prompt, completion, answer[, columns])`` items; one outcome per item, in order. Never blocks the
+        loop (a function marked ``@in_process`` is called right here: it returns in microseconds)."""
         if self._here:
             return self._score_here(items)
         batches = self._submit(items)
         results = await asyncio.gather(*(asyncio.wrap_future(b.future) for b in batches))
-        return [outcome for result in results for outcome in result]
+        return [self._weighed(outcome) for result in results for outcome in result]
 
-    def score_sync(self, items: Sequence[Item]) -> list[RewardOutcome]:
+    def score_sync(self, items: Sequence[Item | tuple[str, str, str]]) -> list[RewardOutcome]:
         """``score`` for code without an event loop: blocks this thread until every item is scored."""
         if self._here:
             return self._score_here(items)
-        return [outcome for b in self._submit(items) for outcome in b.future.result()]
+        return [self._weighed(outcome) for b in self._submit(items) for outcome in b.future.result()]
 
-    def _score_here(self, items: Sequence[Item]) -> list[RewardOutcome]:
+    def _score_here(self, items: Sequence[Item | tuple[str, str, str]]) -> list[RewardOutcome]:
         checked = self._checked(items)
-        assert self._here is not None
-        return [_outcome(score_one(self._here, *item)) for item in checked]
+        return [self._weighed(_outcome(score_one(self.fns, *item))) for item in checked]
 
-    def _checked(self, items: Sequence[Item]) -> list[Item]:
+    def _weighed(self, outcome: _Values | RewardOutcome) -> RewardOutcome:
+        """A call's outcome: each function's value weighed into the reward, and kept as a part for a list."""
+        if isinstance(outcome, RewardOutcome):
+            return outcome
+        value, parts = self.fns.combine(outcome.values)
+        return RewardOutcome(value=value, parts=parts)
+
+    def _checked(self, items: Sequence[Item | tuple[str, str, str]]) -> list[Item]:
         if not self._started or self._closed:
             raise RuntimeError("RewardPool: score() needs a started, open pool; use `with RewardPool(...) as pool:`")
         return [_check_item(i, item) for i, item in enumerate(items)]
 
-    def _submit(self, items: Sequence[Item]) -> list[_Batch]:
+    def _submit(self, items: Sequence[Item | tuple[str, str, str]]) -> list[_Batch]:
         checked = self._checked(items)
         size = max(1, min(self.max_batch, math.ceil(len(checked) / (self.workers * 4))))
         batches = [_Batch(checked[i : i + size]) for i in range(0, len(checked), size)]
@@ -224,8 +244,8 @@ class RewardPool:
                 if not batch.future.done():
                     batch.future.set_exception(e)
 
-    def _run(self, proc: _Worker, items: list[Item]) -> list[RewardOutcome]:
-        outcomes: list[RewardOutcome] = []
+    def _run(self, proc: _Worker, items: list[Item]) -> list[_Values | RewardOutcome]:
+        outcomes: list[_Values | RewardOutcome] = []
         while len(outcomes) < len(items) and not self._closed:
             if not proc.running:
                 try:
@@ -259,8 +279,8 @@ class RewardPool:
 class _Worker:
     """The parent's end of one worker process: its pipes and its ``Child`` handle."""
 
-    def __init__(self, spec: str, index: int):
-        self.spec = spec
+    def __init__(self, specs: list[str], spec: str, index: int):
+        self.specs, self.spec = specs, spec  # what it imports; how messages name it
         self.index = index
         self.child: Child | None = None
         self.running = False  # spawned, handshake done, and neither dead nor killed since
@@ -276,7 +296,7 @@ class _Worker:
         self.forget()
         # SIGUSR2 (Slurm's warning) is the controller's to act on: ignored by a shell that then execs the worker,
         # as every child of process.spawn is (IGNORE_USR2 says why not a preexec_fn)
-        cmd = [*IGNORE_USR2, sys.executable, "-m", "hpcrl.reward.worker", self.spec, str(self.index)]
+        cmd = [*IGNORE_USR2, sys.executable, "-m", "hpcrl.reward.worker", str(self.index), *self.specs]
         # Workers import what this process can import: the same sys.path, "" meaning our cwd.
         path = os.pathsep.join(p or os.getcwd() for p in sys.path)
         popen = subprocess.Popen(
@@ -309,14 +329,14 @@ class _Worker:
             raise WorkerStartError(f"reward worker {self.index}: {message['fatal']}")
         self.running = True
 
-    def run(self, items: list[Item], timeout_s: float) -> list[RewardOutcome]:
+    def run(self, items: list[Item], timeout_s: float) -> list[_Values | RewardOutcome]:
         """Score ``items`` in order; stop early (``running`` turns False) at a timeout or a death."""
         assert self._popen is not None and self._popen.stdin is not None
         if self._popen.poll() is not None:  # it ended while idle: no item of this batch is to blame
             log.warning("reward worker %d %s while idle; starting another", self.index, self._exit_text())
             self.stop()
             return []
-        outcomes: list[RewardOutcome] = []
+        outcomes: list[_Values | RewardOutcome] = []
         with contextlib.suppress(BrokenPipeError):  # it died while idle; the reader below tells how
             self._popen.stdin.write(json.dumps(items).encode() + b"\n")
         while len(outcomes) < len(items):
@@ -395,16 +415,30 @@ class _Gone(Exception):
 
 
 def _check_item(index: int, item: Any) -> Item:
-    if not (isinstance(item, (tuple, list)) and len(item) == 3 and all(isinstance(s, str) for s in item)):
+    ok = isinstance(item, (tuple, list)) and len(item) in (3, 4) and all(isinstance(s, str) for s in item[:3])
+    if not ok:
         got = type(item).__name__ if not isinstance(item, (tuple, list)) else [type(s).__name__ for s in item]
-        raise TypeError(f"RewardPool.score: items[{index}] must be (prompt, completion, answer) strings, got {got}")
-    return (item[0], item[1], item[2])
+        raise TypeError(
+            f"RewardPool.score: items[{index}] must be (prompt, completion, answer) strings and optionally the row's "
+            f"columns, got {got}"
+        )
+    columns = item[3] if len(item) == 4 else {}
+    if not (isinstance(columns, Mapping) and all(isinstance(k, str) for k in columns)):
+        raise TypeError(f"RewardPool.score: items[{index}][3] must be the row's columns by name, got {columns!r}")
+    return (item[0], item[1], item[2], dict(columns))
 
 
-def _outcome(message: dict[str, Any]) -> RewardOutcome:
-    """A RewardOutcome from ``score_one``'s ``{"v": reward}`` or ``{"e": what went wrong}``."""
+@dataclass(frozen=True)
+class _Values:
+    """A call that succeeded: each function's value, weighed by the pool (``RewardPool._weighed``)."""
+
+    values: list[float]
+
+
+def _outcome(message: dict[str, Any]) -> _Values | RewardOutcome:
+    """``score_one``'s ``{"v": [each function's reward]}``, or a failed RewardOutcome of ``{"e": what went wrong}``."""
     if "v" in message:
-        return RewardOutcome(value=float(message["v"]))
+        return _Values([float(v) for v in message["v"]])
     return RewardOutcome(error=str(message.get("e", message)))
 
 

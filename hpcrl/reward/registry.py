@@ -1,14 +1,29 @@
 """Reward functions are named by an import path, ``"package.module:function"``, and resolved by import.
 
-A reward function scores one completion::
+A reward function scores one completion. It takes its arguments by name, as TRL's reward functions take the
+dataset's columns as keyword arguments::
 
     def my_reward(prompt: str, completion: str, answer: str) -> float: ...
+    def in_range(completion: str, low: int, high: int) -> float: ...           # the row's columns "low" and "high"
+    def graded(completion: str, answer: str, **row) -> float: ...             # every column besides, in ``row``
 
 ``prompt`` is the text the model was given (after the dataset's template), ``completion`` the text it
-generated (without the prompt), ``answer`` the row's reference answer (always a str). It returns the
-reward as a float; ``bool`` and ``int`` (and numpy numbers) are accepted and converted, so a checker
-may return ``True``/``False``. Any other type, NaN or an infinity is an error, never a silent 0. A
-function that raises counts as a failed reward; ``reward.on_error`` decides what that does to its group.
+generated (without the prompt), ``answer`` the row's reference answer (always a str). Every other name is a
+column of the row (a data file's column, its value as the file holds it: str, number, bool, list, dict or
+None), so a reward may read any column, not only the answer; a function with ``**kwargs`` gets every column
+(and whichever of prompt, completion and answer it does not name). Those three names are hpcrl's: a column
+called ``prompt`` or ``answer`` is reached through ``prompt_template`` or ``dataset.answer_column``. A name
+that is neither one of them nor a column of the data, without a default, is refused before the run starts
+(``hpcrl.config.preflight``); a positional-only parameter is refused when the function is resolved. A
+callable whose signature Python cannot read is called as ``fn(prompt, completion, answer)``.
+
+It returns the reward as a float; ``bool`` and ``int`` (and numpy numbers) are accepted and converted, so
+a checker may return ``True``/``False``. Any other type, NaN or an infinity is an error, never a silent 0.
+A function that raises counts as a failed reward; ``reward.on_error`` decides what that does to its group.
+
+``reward.fn`` may name one function or a list of them (``RewardFns``): the reward is then their weighted sum
+(``reward.weights``, 1 each by default), and each function's own value is kept under its name (the part
+after the colon) so the metrics log it as ``reward/<name>``. One that fails fails the call.
 
 The function must live in an importable module: every reward process imports it by name, so a lambda
 or a function defined in ``__main__`` cannot be used (they would have to be pickled, which hpcrl never
@@ -16,21 +31,25 @@ does).
 
 A function marked with ``@in_process`` promises to be pure Python that returns in microseconds and never
 hangs (``mod10`` is one): it is called in the scoring process itself, with no reward processes, no round
-trip and no timeout. Anything that parses, calls out or may run long stays unmarked, in the pool.
+trip and no timeout. Anything that parses, calls out or may run long stays unmarked, in the pool. A list
+is scored in the process only when every function of it is marked.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import numbers
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-RewardFn = Callable[[str, str, str], Any]
+RewardFn = Callable[..., Any]
 
 EXAMPLE = "hpcrl.reward.builtin:mod10"
+OWN_NAMES = ("prompt", "completion", "answer")  # what hpcrl passes; every other name is a column of the row
 
 
 class RewardSpecError(ValueError):
@@ -48,6 +67,40 @@ def runs_in_process(fn: RewardFn) -> bool:
     return getattr(fn, "hpcrl_in_process", False) is True
 
 
+@dataclass(frozen=True)
+class Reward:
+    """One reward function, resolved, with the names it takes (module docstring)."""
+
+    spec: str  # "package.module:function"
+    fn: RewardFn
+    params: tuple[str, ...] | None  # the names it takes; None: its signature cannot be read (called positionally)
+    required: tuple[str, ...]  # those without a default
+    every_column: bool  # it has **kwargs: every column goes to it
+
+    @property
+    def name(self) -> str:
+        """The function's name in the spec: its part's key in the metrics, ``reward/<name>``."""
+        return self.spec.partition(":")[2]
+
+    def columns(self) -> tuple[str, ...] | None:
+        """The data columns it takes by name; None: every column (``**kwargs``)."""
+        if self.every_column:
+            return None
+        return tuple(p for p in self.params or () if p not in OWN_NAMES)
+
+    def unknown(self, columns: Sequence[str]) -> list[str]:
+        """Its required names that are neither hpcrl's nor in ``columns``: a call would fail on every row."""
+        return [p for p in self.required if p not in OWN_NAMES and p not in columns]
+
+    def __call__(self, prompt: str, completion: str, answer: str, columns: Mapping[str, Any]) -> Any:
+        if self.params is None:
+            return self.fn(prompt, completion, answer)
+        given = {**columns, "prompt": prompt, "completion": completion, "answer": answer}
+        if self.every_column:
+            return self.fn(**given)
+        return self.fn(**{p: given[p] for p in self.params if p in given})
+
+
 def resolve(spec: str) -> RewardFn:
     """Import ``"package.module:function"`` and return the function; ``RewardSpecError`` if that fails."""
     module_name, attr = _split(spec)
@@ -58,6 +111,86 @@ def resolve(spec: str) -> RewardFn:
             "expected fn(prompt: str, completion: str, answer: str) -> float"
         )
     return fn
+
+
+def resolve_reward(spec: str) -> Reward:
+    """``resolve``, with the names the function takes read from its signature (module docstring)."""
+    fn = resolve(spec)
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or extension callable without one: the positional form
+        return Reward(spec, fn, None, (), False)
+    params = signature.parameters.values()
+    by_position = [p.name for p in params if p.kind is p.POSITIONAL_ONLY]
+    if by_position:
+        raise RewardSpecError(
+            f"reward function {spec!r} takes {', '.join(by_position)} by position only; a reward takes its "
+            f"arguments by name ({', '.join(OWN_NAMES)}, or columns of the data): drop the '/'"
+        )
+    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    required = tuple(p.name for p in named if p.default is p.empty)
+    every_column = any(p.kind is p.VAR_KEYWORD for p in params)
+    return Reward(spec, fn, tuple(p.name for p in named), required, every_column)
+
+
+def specs_of(fn: str | Sequence[str]) -> list[str]:
+    """``reward.fn`` as a list of specs: a string names one function."""
+    return [fn] if isinstance(fn, str) else list(fn)
+
+
+@dataclass(frozen=True)
+class RewardFns:
+    """``reward.fn`` resolved: one function, or a weighted list whose parts are kept by name."""
+
+    rewards: tuple[Reward, ...]
+    weights: tuple[float, ...]  # one per function
+    listed: bool  # reward.fn was a list: each function's value is kept as a part (metrics: reward/<name>)
+
+    @classmethod
+    def resolve(cls, fn: str | Sequence[str], weights: Sequence[float] = ()) -> RewardFns:
+        """Resolve every spec of ``fn``; ``RewardSpecError`` for one that does not resolve, weights that do not
+        match the list, or two functions of one name (their parts would share a key)."""
+        specs = specs_of(fn)
+        if not specs:
+            raise RewardSpecError(f"reward functions {fn!r}: the list is empty; expected one or more, e.g. {EXAMPLE!r}")
+        weights = tuple(float(w) for w in weights) or (1.0,) * len(specs)
+        if len(weights) != len(specs) or not all(math.isfinite(w) for w in weights):
+            raise RewardSpecError(
+                f"reward weights {list(weights)}: expected one finite number per function of {specs} (or none: 1 each)"
+            )
+        rewards = tuple(resolve_reward(spec) for spec in specs)
+        names = [r.name for r in rewards]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise RewardSpecError(
+                f"reward functions {specs}: two are called {twice[0]!r}, and each function's part is logged under "
+                "its name (reward/<name>): wrap one in a function of another name"
+            )
+        return cls(rewards, weights, not isinstance(fn, str))
+
+    @property
+    def names(self) -> list[str]:
+        return [r.name for r in self.rewards]
+
+    @property
+    def in_process(self) -> bool:
+        """Every function is marked ``@in_process``: scored in the calling process, with no workers."""
+        return all(runs_in_process(r.fn) for r in self.rewards)
+
+    def columns(self) -> tuple[str, ...] | None:
+        """The data columns the functions take, in order; None: every column (one of them has ``**kwargs``)."""
+        wanted: list[str] = []
+        for reward in self.rewards:
+            columns = reward.columns()
+            if columns is None:
+                return None
+            wanted += [c for c in columns if c not in wanted]
+        return tuple(wanted)
+
+    def combine(self, values: Sequence[float]) -> tuple[float, dict[str, float] | None]:
+        """The reward of one call from each function's value, and the parts by name (None for a single ``fn``)."""
+        total = math.fsum(w * v for w, v in zip(self.weights, values, strict=True))
+        return total, (dict(zip(self.names, values, strict=True)) if self.listed else None)
 
 
 def import_named(module_name: str, attr: str, named: str, error: type[Exception], importers: str) -> Any:

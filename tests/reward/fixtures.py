@@ -49,3 +49,30 @@ def here_pid(prompt: str, completion: str, answer: str) -> int:
     if completion == "raise":
         raise ValueError(f"cannot score answer {answer!r}")
     return os.getpid()
+
+
+def in_range(completion: str, low: int, high: int) -> float:
+    """1.0 if the completion is a number in [low, high], the row's columns "low" and "high"."""
+    return 1.0 if low <= float(completion) <= high else 0.0
+
+
+def level_and_names(completion: str, **row: object) -> float:
+    """10 x the row's column "level", plus how many names came in ``row`` (every name but completion)."""
+    return 10 * row["level"] + len(row)
+
+
+@in_process
+def here_length(completion: str) -> int:
+    """The completion's length (marked @in_process)."""
+    return len(completion)
+
+
+@in_process
+def here_answer_is_digit(answer: str) -> bool:
+    """Whether the reference answer is a digit (marked @in_process)."""
+    return answer.isdigit()
+
+
+def positional(prompt, completion, answer, /):  # type: ignore[no-untyped-def]
+    """Takes its arguments by position only, which a reward cannot."""
+    return 0.0

@@ -262,3 +262,56 @@ def test_a_worker_ignores_slurms_warning_signal():
         time.sleep(0.5)
         assert psutil.Process(worker).is_running() and pool.pids() == [worker]
         assert [o.value for o in pool.score_sync(_items("a"))] == [1.0] and pool.restarts == 0
+
+
+def test_a_reward_takes_the_row_columns_it_names_by_name():
+    items = [("p", "5", "a", {"low": 1, "high": 9, "unused": [1, 2]}), ("p", "10", "a", {"low": 1, "high": 9})]
+    with RewardPool("tests.reward.fixtures:in_range", workers=1, timeout_s=10) as pool:
+        outcomes = pool.score_sync([*items, ("p", "5", "a", {"low": 1})])
+    assert [o.value for o in outcomes] == [1.0, 0.0, None]
+    assert outcomes[2].error == "raised TypeError: in_range() missing 1 required positional argument: 'high'"
+    assert [o.parts for o in outcomes] == [None] * 3, "a single reward.fn has no parts"
+
+
+def test_a_reward_with_kwargs_gets_every_column_and_the_names_it_does_not_take():
+    with RewardPool("tests.reward.fixtures:level_and_names", workers=1, timeout_s=10) as pool:
+        [outcome] = pool.score_sync([("p", "c", "a", {"level": 3})])
+    assert outcome.value == 33.0  # level 3, and prompt, answer, level in **row
+
+
+def test_a_weighted_list_scores_each_function_and_keeps_each_part_by_name():
+    specs = ["tests.reward.fixtures:behave", "tests.reward.fixtures:in_range"]
+    with RewardPool(specs, workers=2, timeout_s=10, weights=[0.5, 2.0]) as pool:
+        outcomes = pool.score_sync(
+            [("p", "5", "5", {"low": 1, "high": 9}), ("p", "12", "5", {"low": 1, "high": 20}), ("p", "raise", "5", {})]
+        )
+    assert [(o.value, o.parts) for o in outcomes[:2]] == [
+        (2.5, {"behave": 1.0, "in_range": 1.0}),
+        (2.0, {"behave": 0.0, "in_range": 1.0}),
+    ]
+    assert outcomes[2].value is None and outcomes[2].error == "behave: raised ValueError: cannot score answer '5'"
+
+
+def test_a_list_of_functions_marked_in_process_is_scored_here():
+    specs = ["tests.reward.fixtures:here_length", "tests.reward.fixtures:here_answer_is_digit"]
+    with RewardPool(specs, workers=2, timeout_s=10) as pool:
+        assert pool.pids() == []
+        outcomes = pool.score_sync([("p", "abc", "7"), ("p", "abcd", "x")])
+    assert [(o.value, o.parts) for o in outcomes] == [
+        (4.0, {"here_length": 3.0, "here_answer_is_digit": 1.0}),
+        (4.0, {"here_length": 4.0, "here_answer_is_digit": 0.0}),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("spec", "weights", "error"),
+    [
+        (["tests.reward.fixtures:behave", "tests.reward.other_fixtures:behave"], (), "two are called 'behave'"),
+        (["tests.reward.fixtures:behave", "hpcrl.reward.builtin:mod10"], [1.0], "one finite number per function"),
+        ("tests.reward.fixtures:positional", (), "takes prompt, completion, answer by position only"),
+        ([], (), "the list is empty"),
+    ],
+)
+def test_a_list_that_cannot_be_scored_fails_before_any_worker_starts(spec, weights, error):
+    with pytest.raises(RewardSpecError, match=error):
+        RewardPool(spec, workers=1, weights=weights)
