@@ -456,6 +456,9 @@ LOGGERS = ("tensorboard", "wandb")
 
 
 def check_metrics(m: MetricsConfig) -> None:
+    every, count = m.samples_every_steps, m.samples_per_log
+    require(every >= 0, "metrics.samples_every_steps", every, "an integer >= 0 (0 = never)")
+    require(count >= 1, "metrics.samples_per_log", count, "an integer >= 1")
     for name in m.loggers:
         one_of("metrics.loggers", name, LOGGERS)
     require(len(set(m.loggers)) == len(m.loggers), "metrics.loggers", m.loggers, "each logger at most once")

@@ -265,6 +265,8 @@ class WandbConfig:
 class MetricsConfig:
     loggers: list[str] = field(default_factory=lambda: ["tensorboard"])  # besides metrics.jsonl: tensorboard, wandb
     wandb: WandbConfig = field(default_factory=WandbConfig)  # metrics.loggers with wandb (pip install 'hpcrl[wandb]')
+    samples_every_steps: int = 10  # every this many steps, a few prompts, completions, rewards logged; 0 = never
+    samples_per_log: int = 4  # prompts (each with its group's completions) logged each time
 
 
 @dataclass

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from hpcrl.config.schema import AlgorithmConfig, Config
 from hpcrl.controller.batch import apply_gae, rollout_stats, shard, to_sequences
 from hpcrl.controller.evaluate import greedy_accuracy
-from hpcrl.controller.metrics import MetricsLog
+from hpcrl.controller.metrics import MetricsLog, sample_rows
 from hpcrl.controller.preempt import Preempted, PreemptionGuard
 from hpcrl.controller.recovery import Checkpoints, ControllerState, resume_candidates, rng_states, set_rng_states
 from hpcrl.controller.rows import TrainingRows
@@ -242,6 +242,9 @@ class Loop:
         groups = await executor.next_batch()
         t1 = time.monotonic()
         metrics: dict[str, Any] = rollout_stats(groups, version)
+        every = cfg.metrics.samples_every_steps
+        if every and step % every == 0:
+            metrics["samples"] = sample_rows(groups, cfg.metrics.samples_per_log)  # MetricsLog: samples.jsonl
         rewards = [sample.reward for group in groups for sample in group.samples]  # to_sequences' order
         export_to = await sync.export_path(step)  # disk sync: the last train call writes the servers' weights
         sizes = [len(group.samples) for group in groups]  # to_sequences' sequences, group by group

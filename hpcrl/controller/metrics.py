@@ -29,9 +29,13 @@ class MetricsLog:
     """Appends one JSON line per step, logs one line per step (and per evaluation), and mirrors each scalar to the
     loggers of ``metrics.loggers`` (TensorBoard, Weights & Biases).
 
+    A step's ``samples`` (``sample_rows``: a few prompts with their completions and rewards, every
+    ``metrics.samples_every_steps`` steps) go to ``samples.jsonl``, one line per prompt, and to the loggers as text
+    (TensorBoard's text tab, a W&B table), never to ``metrics.jsonl``.
+
     A run that may follow an interrupted one (``recover.mode=auto``) passes ``keep_until``, the last step it
-    does not train again (0 when it starts fresh): the lines of later steps are dropped from ``metrics.jsonl``,
-    and TensorBoard hides their events, so every step appears once.
+    does not train again (0 when it starts fresh): the lines of later steps are dropped from ``metrics.jsonl``
+    and ``samples.jsonl``, and TensorBoard hides their events, so every step appears once.
     """
 
     def __init__(
@@ -43,13 +47,15 @@ class MetricsLog:
         run_config: Any = None,  # the run's config (a dataclass), shown by Weights & Biases
     ):
         settings = settings or MetricsConfig()
-        self.path = run_dir / "metrics.jsonl"
+        self.path, self.samples_path = run_dir / "metrics.jsonl", run_dir / "samples.jsonl"
         purge_step = None
         if keep_until is not None:
-            if dropped := cut_metrics(self.path, keep_until):
-                log.info("dropped %d line(s) after step %d from %s: they run again", dropped, keep_until, self.path)
+            for path in (self.path, self.samples_path):
+                if dropped := cut_metrics(path, keep_until):
+                    log.info("dropped %d line(s) after step %d from %s: they run again", dropped, keep_until, path)
             purge_step = keep_until + 1
         self._file = self.path.open("a")
+        self._samples = None  # samples.jsonl, opened when the first samples come
         self._entry_synced = False  # the file's directory entry: a resume's cut renamed over it, or open made it
         self._tb = None
         if "tensorboard" in settings.loggers:
@@ -61,7 +67,11 @@ class MetricsLog:
             self._wandb = start_wandb(run_dir, settings.wandb, run_name, run_config)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        """Append the step's line, handed to the OS (a killed process loses none); ``sync`` puts it on disk."""
+        """Append the step's line, handed to the OS (a killed process loses none); ``sync`` puts it on disk. Its
+        ``samples``, if any, go to ``samples.jsonl`` and the loggers' text."""
+        metrics = dict(metrics)
+        if samples := metrics.pop("samples", None):
+            self._log_samples(step, samples)
         self._file.write(json.dumps({"step": step, **metrics}) + "\n")
         self._file.flush()
         log.info("%s", step_line(step, metrics))
@@ -73,6 +83,20 @@ class MetricsLog:
                 self._tb.add_scalar(name, value, step)
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
+
+    def _log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        if self._samples is None:
+            self._samples = self.samples_path.open("a")
+        self._samples.write("".join(json.dumps({"step": step, **row}) + "\n" for row in samples))
+        self._samples.flush()
+        if self._tb is not None:
+            self._tb.add_text("samples", samples_markdown(samples), step)
+        if self._wandb is not None:
+            import wandb
+
+            columns = ["prompt", "answer", "completion", "reward"]
+            table = [[r["prompt"], r["answer"], c["text"], c["reward"]] for r in samples for c in r["completions"]]
+            self._wandb.log({"samples": wandb.Table(columns=columns, data=table)}, step=step)
 
     def sync(self) -> None:
         """The lines so far on disk (fsync). The loop calls it before it marks a checkpoint complete, so a crash, of
@@ -88,10 +112,39 @@ class MetricsLog:
 
     def close(self) -> None:
         self._file.close()
+        if self._samples is not None:
+            self._samples.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def sample_rows(groups: list[Any], count: int) -> list[dict[str, Any]]:
+    """The first ``count`` groups of a batch as ``samples`` rows: the prompt, its answer, and each completion's text
+    (what the reward read), reward (null when it failed) and finish reason."""
+    return [
+        {
+            "prompt": g.prompt,
+            "answer": g.answer,
+            "completions": [{"text": s.text, "reward": s.reward, "finish_reason": s.finish_reason} for s in g.samples],
+        }
+        for g in groups[:count]
+    ]
+
+
+def samples_markdown(samples: list[dict[str, Any]]) -> str:
+    """The rows as a Markdown table, one line per completion (TensorBoard renders its text as Markdown)."""
+    lines = ["| prompt | answer | completion | reward |", "|---|---|---|---|"]
+    for row in samples:
+        for c in row["completions"]:
+            cells = (row["prompt"], row["answer"], c["text"], c["reward"])
+            lines.append("| " + " | ".join(_cell(x) for x in cells) + " |")
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    return str(value).replace("|", "\\|").replace("\n", " ")
 
 
 def step_line(step: int, m: dict[str, Any]) -> str:

@@ -94,6 +94,7 @@ def test_every_trained_token_is_within_the_staleness_bound(tmp_path, staleness, 
     ]
     overrides += ["eval.stop_at_accuracy=0", "eval.every_steps=0", "rollout.prompts_per_step=16"]
     overrides += ["train.lr_schedule=cosine", "train.warmup_steps=1", "train.lr=0.001", "train.critic_lr=0.002"]
+    overrides += ["metrics.samples_every_steps=3"]
     result = run_job(tmp_path, *overrides)
     summary_of(result)
     # the local cluster's own settings are not Slurm's: no warning (before: two, each with a RoleResources dump)
@@ -106,6 +107,12 @@ def test_every_trained_token_is_within_the_staleness_bound(tmp_path, staleness, 
     assert [r["lr"] for r in rows] == pytest.approx(want, rel=1e-5), [r["lr"] for r in rows]
     if algorithm == "ppo":
         assert [r["critic_lr"] for r in rows] == pytest.approx([2 * lr for lr in want], rel=1e-5)
+    # every 3 steps the batch's first 4 prompts, each with its group's 8 completions and their 0/1 rewards
+    samples = [json.loads(line) for line in (tmp_path / "default" / trial / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [3] * 4 + [6] * 4
+    assert all(re.fullmatch(r"\d+\+\d+=", s["prompt"]) and len(s["completions"]) == 8 for s in samples), samples
+    assert {c["reward"] for s in samples for c in s["completions"]} <= {0.0, 1.0}
+    assert all("samples" not in r for r in rows)
     # staleness of a token = the trainer's version at the step - the version that sampled it
     assert max(r["staleness_max"] for r in rows) == staleness, rows
     if staleness == 0:

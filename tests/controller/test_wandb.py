@@ -79,10 +79,16 @@ STEPS = [
 def test_metrics_go_to_an_offline_wandb_run_step_by_step(tmp_path):
     settings = MetricsConfig(loggers=["tensorboard", "wandb"], wandb=WandbConfig(project="hpcrl-test", tags=["t"]))
     metrics = MetricsLog(tmp_path, settings=settings, run_name="exp/trial", run_config=Config())
+    completion = {"text": "2", "reward": 1.0, "finish_reason": "stop"}
+    samples = [{"prompt": "1+1=", "answer": "2", "completions": [completion]}]
     for step, m in enumerate(STEPS, start=1):
-        metrics.log(step, m)
+        metrics.log(step, {**m, "samples": samples} if step == 2 else m)
     metrics.close()
     history, run = logged_history(tmp_path, len(STEPS))
+    # step 2's samples, as a W&B table: one row per completion
+    (table,) = tmp_path.glob("wandb/offline-run-*/files/media/table/samples_*.table.json")
+    assert json.loads(table.read_text()) == {"columns": ["prompt", "answer", "completion", "reward"],
+                                             "data": [["1+1=", "2", "2", 1.0]]}  # fmt: skip
     assert run == {"id": wandb_run_id(tmp_path), "name": "exp/trial", "project": "hpcrl-test"}
     by_step = {h["_step"]: h for h in history}
     assert sorted(by_step) == [1, 2, 3]
