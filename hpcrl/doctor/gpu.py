@@ -84,4 +84,4 @@ def gpu_results(report: dict[str, Any], cfg: Config, where: str) -> Iterator[Res
         elif item["ok"]:
             yield ok(f"gpu {part}", found)
         else:
-            yield fail(f"gpu {part}", found, ADVICE[part])
+            yield fail(f"gpu {part}", found, item.get("advice") or ADVICE[part])

@@ -6,8 +6,9 @@
         3. controller -> node: accept the doctor's connection, read the token back, answer "ok"
         exit 0 when both worked; otherwise print what failed and exit 1
     gpu   prints one line ``HPCRL-PROBE {json}``: nvidia-smi -L, torch's CUDA devices, import sglang (a tested
-          release serving the endpoints hpcrl calls);
-          each {"ok": bool, "detail": text}; every part runs, whatever the others gave
+          release serving the endpoints hpcrl calls; where it does not import, whether it can be installed here);
+          each {"ok": bool, "detail": text, "advice": text when the doctor's own would not fit}; every part
+          runs, whatever the others gave
 
 A line protocol of JSON text: the doctor and the probe may run different Python versions, and pickle is
 never used on a wire in hpcrl.
@@ -115,11 +116,13 @@ def _torch_cuda() -> dict[str, Any]:
 
 
 def _sglang() -> dict[str, Any]:
+    from hpcrl.doctor.sglang import install_problems, install_status, sglang_status
+
     try:
         import sglang  # noqa: F401 (that it imports is the check)
     except Exception as e:  # ImportError, or whatever its CUDA extensions raise on import
-        return {"ok": False, "detail": f"{type(e).__name__}: {e}"}
-    from hpcrl.doctor.sglang import sglang_status
+        # where the tested release cannot be installed at all, that is what to say, not the ImportError
+        return install_status(install_problems()) or {"ok": False, "detail": f"{type(e).__name__}: {e}"}
 
     return sglang_status()  # the tested version range, and every endpoint hpcrl calls
 

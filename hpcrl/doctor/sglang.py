@@ -4,18 +4,29 @@ Run by the doctor's GPU probe where the servers run (``python -m hpcrl.doctor.pr
 ``import sglang`` worked. It reads the package's metadata (the version, against ``SGLANG_REQUIREMENT``)
 and its route file (``srt/entrypoints/http_server.py``, against ``ENDPOINTS``) without importing them, so
 it answers in a second even where importing SGLang's server takes a minute.
+
+Where ``import sglang`` fails, ``install_problems`` says whether the tested release can be installed there at
+all: it publishes wheels only (no source package) for Linux with glibc >= 2.34 on x86_64 and aarch64, and its
+dependencies resolve only on CPython 3.11 and 3.12.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import platform
 import sys
 from pathlib import Path
 from typing import Any
 
 from packaging.requirements import Requirement
 
-from hpcrl.inference.sglang_api import HTTP_SERVER, SGLANG_REQUIREMENT, missing, routes
+from hpcrl.inference.sglang_api import HTTP_SERVER, SGLANG_REQUIREMENT, TESTED, missing, routes
+
+# Where sglang 0.5.23 installs, read from PyPI: its wheels are cp311/cp312/cp313 manylinux_2_34 (x86_64, aarch64)
+# and there is no source package; on 3.13 pip finds no outlines_core 0.1.26 (outlines 0.1.11's pin: Python < 3.13).
+INSTALLABLE_PYTHONS = ((3, 11), (3, 12))
+INSTALLABLE_MACHINES = ("x86_64", "aarch64")
+MIN_GLIBC = (2, 34)
 
 
 def sglang_status(search_path: list[str] | None = None) -> dict[str, Any]:
@@ -41,3 +52,47 @@ def sglang_status(search_path: list[str] | None = None) -> dict[str, Any]:
     if absent:
         return {"ok": False, "detail": f"sglang {version} does not serve {', '.join(absent)}, which hpcrl calls"}
     return {"ok": True, "detail": f"sglang {version} (tested: {tested}), serving every endpoint hpcrl calls"}
+
+
+def install_problems(
+    python: tuple[int, ...] | None = None, machine: str | None = None, libc: tuple[str, str] | None = None
+) -> list[str]:
+    """What keeps sglang TESTED from installing on a machine with ``python`` (version_info), ``machine``
+    (platform.machine()) and ``libc`` (platform.libc_ver(): ("glibc", "2.36"), or ("", "") without glibc); each
+    None: this machine's. Empty when it installs."""
+    python = sys.version_info[:2] if python is None else tuple(python[:2])
+    machine = platform.machine() if machine is None else machine
+    name, version = platform.libc_ver() if libc is None else libc
+    problems = []
+    if python not in INSTALLABLE_PYTHONS:
+        wanted = " or ".join(".".join(map(str, v)) for v in INSTALLABLE_PYTHONS)
+        problems.append(f"Python {'.'.join(map(str, python))} (needs {wanted})")
+    if machine not in INSTALLABLE_MACHINES:
+        problems.append(f"{machine or 'an unknown machine'} (needs {' or '.join(INSTALLABLE_MACHINES)})")
+    glibc = ".".join(map(str, MIN_GLIBC))
+    if name != "glibc":
+        problems.append(f"no glibc (needs glibc >= {glibc})")
+    elif _version_tuple(version) < MIN_GLIBC:
+        problems.append(f"glibc {version} (needs >= {glibc})")
+    return problems
+
+
+def install_status(problems: list[str]) -> dict[str, Any] | None:
+    """The probe's sglang part when ``problems`` (``install_problems``) keep it from installing; None when none."""
+    if not problems:
+        return None
+    return {
+        "ok": False,
+        "detail": f"sglang {TESTED} cannot be installed here: {', '.join(problems)}",
+        "advice": f"sglang {TESTED} publishes only wheels, for CPython 3.11/3.12 on Linux x86_64/aarch64 with "
+        "glibc >= 2.34: run the servers on such nodes, or in a container image that has them",
+    }
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for part in text.split("."):
+        if not part.isdigit():
+            break
+        parts.append(int(part))
+    return tuple(parts)

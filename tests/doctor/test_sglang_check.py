@@ -3,16 +3,19 @@
 Inside a GPU job the probe runs ``sglang_status()`` on the SGLang that job's Python has; no GPU and no SGLang
 install can be had here, so its logic is tested on directories laid out as an install is (a
 ``sglang-<version>.dist-info`` and ``sglang/srt/entrypoints/http_server.py``), and once on the files of the
-real 0.5.23 wheel.
+real 0.5.23 wheel. Where the release cannot be installed at all (``install_problems``), the platform values
+are given as arguments.
 """
 
+import platform
+import sys
 import tomllib
 import zipfile
 
 import pytest
 
 from hpcrl.doctor.gpu import gpu_results
-from hpcrl.doctor.sglang import sglang_status
+from hpcrl.doctor.sglang import install_problems, install_status, sglang_status
 from hpcrl.inference.sglang_api import ENDPOINTS, HTTP_SERVER, SGLANG_REQUIREMENT, TESTED
 from tests.conftest import REPO
 from tests.inference.sglang_wheel import fetch_wheel
@@ -95,3 +98,48 @@ def test_a_failing_sglang_check_is_a_failed_doctor_line_with_advice(tmp_path):
     sglang = results["gpu sglang"]
     assert sglang.status == "fail" and "0.5.1 is not in the range" in sglang.found
     assert "pip install -e '.[sglang]'" in sglang.advice
+
+
+@pytest.mark.parametrize(
+    ("python", "machine", "libc"),
+    [((3, 11, 7), "x86_64", ("glibc", "2.34")), ((3, 12), "aarch64", ("glibc", "2.39"))],
+)
+def test_where_the_tested_release_installs_nothing_is_missing(python, machine, libc):
+    assert install_problems(python, machine, libc) == []
+    assert install_status([]) is None
+
+
+@pytest.mark.parametrize(
+    ("python", "machine", "libc", "problem"),
+    [
+        ((3, 13), "x86_64", ("glibc", "2.39"), "Python 3.13 (needs 3.11 or 3.12)"),
+        ((3, 10), "x86_64", ("glibc", "2.39"), "Python 3.10 (needs 3.11 or 3.12)"),
+        ((3, 11), "ppc64le", ("glibc", "2.39"), "ppc64le (needs x86_64 or aarch64)"),
+        ((3, 11), "x86_64", ("glibc", "2.28"), "glibc 2.28 (needs >= 2.34)"),  # RHEL/Rocky 8
+        ((3, 11), "x86_64", ("glibc", "2.4"), "glibc 2.4 (needs >= 2.34)"),  # compared as numbers, not text
+        ((3, 11), "x86_64", ("", ""), "no glibc (needs glibc >= 2.34)"),  # musl (Alpine), macOS
+    ],
+)
+def test_each_platform_problem_is_named(python, machine, libc, problem):
+    assert install_problems(python, machine, libc) == [problem]
+
+
+def test_install_problems_default_to_this_machine():
+    here = install_problems(sys.version_info, platform.machine(), platform.libc_ver())
+    assert install_problems() == here
+
+
+def test_a_node_where_sglang_cannot_install_is_one_doctor_line_naming_all_of_it():
+    from tests.config.compose import load
+
+    cfg = load("cluster=slurm", "allocation.spec=sglang:d1+fsdp:d1")
+    problems = install_problems((3, 10), "ppc64le", ("glibc", "2.28"))
+    report = {"nvidia-smi": {"ok": True, "detail": "GPU 0"}, "torch": {"ok": True, "detail": "1 devices"}}
+    report["sglang"] = install_status(problems)
+    line = {r.check: r for r in gpu_results(report, cfg, "node1")}["gpu sglang"].line()
+    assert line == (
+        f"fail  gpu sglang: on node1: sglang {TESTED} cannot be installed here: Python 3.10 (needs 3.11 or 3.12), "
+        "ppc64le (needs x86_64 or aarch64), glibc 2.28 (needs >= 2.34); "
+        f"sglang {TESTED} publishes only wheels, for CPython 3.11/3.12 on Linux x86_64/aarch64 with glibc >= 2.34: "
+        "run the servers on such nodes, or in a container image that has them"
+    )
