@@ -28,7 +28,7 @@ from hpcrl.launch.slurm.scripts import controller_resources, run_hetjob_script
 
 LATE_S = 3600.0  # a job Slurm would start later than this waits behind others: say so
 ADVICE = (
-    "fix the partition, account, qos, GPUs or time in conf/cluster/<site>.yaml "
+    "fix the partition, account, qos, GPUs or time in your site file, DIR/cluster/<site>.yaml of --config-dir DIR "
     "(sinfo -s lists partitions; sacctmgr show assoc user=$USER your accounts and QOS)"
 )
 _START = re.compile(r"start at (\S+)")
