@@ -1,6 +1,6 @@
-"""hpcrl installs as a package: the wheel holds every config group (``hpcrl/conf``, the one copy; ``conf/`` in the
-repository links to it), and ``python -m hpcrl.main`` run from another directory finds them in the installed
-package, not in a checkout."""
+"""hpcrl installs as a package: the wheel holds every config group (``hpcrl/conf``, the one copy, which nothing at
+the top of the repository links to: a site file written there by following the docs would land in the package),
+and ``python -m hpcrl.main`` run from another directory finds them in the installed package, not in a checkout."""
 
 import os
 import subprocess
@@ -22,8 +22,9 @@ def wheel(tmp_path_factory):
     return built
 
 
-def test_conf_at_the_top_is_a_link_to_the_package_configs():
-    assert (REPO / "conf").is_symlink() and (REPO / "conf").resolve() == CONF_DIR.resolve()
+def test_nothing_at_the_top_of_the_repository_leads_into_the_package_configs():
+    leads_in = [p.name for p in REPO.iterdir() if p.resolve().is_relative_to(CONF_DIR.resolve())]
+    assert leads_in == [], "a user's site file must not land in hpcrl/conf (docs/slurm.md: --config-dir DIR)"
 
 
 def test_the_wheel_holds_every_config_group_as_it_is_in_the_tree(wheel):
@@ -31,7 +32,7 @@ def test_the_wheel_holds_every_config_group_as_it_is_in_the_tree(wheel):
         shipped = {name: z.read(name) for name in z.namelist() if name.startswith("hpcrl/conf/")}
     expected = {f"hpcrl/conf/{p.relative_to(CONF_DIR)}": p.read_bytes() for p in CONF_DIR.rglob("*.yaml")}
     assert shipped == expected
-    assert "hpcrl/conf/config.yaml" in shipped and "hpcrl/conf/hydra/launcher/submitit_slurm.yaml" in shipped
+    assert "hpcrl/conf/config.yaml" in shipped and "hpcrl/conf/cluster/slurm.yaml" in shipped
 
 
 def test_the_installed_package_runs_from_another_directory(wheel, tmp_path):

@@ -232,7 +232,7 @@ def test_a_bad_config_exits_2_before_anything_is_written(tmp_path):
 def site_file_example(**changes: object) -> ClusterConfig:
     """The site file docs/slurm.md shows, with ``changes`` (what a test cluster lacks) applied."""
     (text,) = re.findall(
-        r"```yaml\n# conf/cluster/mysite.yaml\n(.*?)```", (REPO / "docs" / "slurm.md").read_text(), re.S
+        r"```yaml\n# \S+/cluster/mysite.yaml\n(.*?)```", (REPO / "docs" / "slurm.md").read_text(), re.S
     )
     example = OmegaConf.merge(OmegaConf.structured(ClusterConfig), OmegaConf.create(text), changes)
     cluster = OmegaConf.to_object(example)
