@@ -39,6 +39,8 @@ from hpcrl.config.overrides import (
     imply_group_options,
 )
 from hpcrl.config.preflight import warn_tiny_task_settings
+from hpcrl.config.resume import Resume, applied, check_start
+from hpcrl.config.schema import Config
 from hpcrl.controller.preempt import restarted_by_slurm
 from hpcrl.launch.process import end_within
 from hpcrl.logs import setup_logging
@@ -54,19 +56,15 @@ def run(dcfg: DictConfig) -> None:
     requeued = restarted_by_slurm()
     if requeued and cfg.recover.mode != "auto":  # a requeued job goes on from its last checkpoint
         cfg = replace(cfg, recover=replace(cfg.recover, mode="auto"))
-    run_dir = RunDir.at(cfg.run.root, cfg.run.experiment, cfg.run.trial, sweep_job_number())
-    earlier = run_dir.earlier_run() if cfg.recover.mode == "off" else ""
-    if earlier:  # starting afresh there would mix two runs' metrics and prune the new run's checkpoints
-        exit_on_config_error(
-            ConfigError(
-                "recover.mode",
-                "off",
-                f"auto to resume the run in {run_dir.path} ({earlier}), or a new run.trial to start another one",
-            )
-        )
+    try:  # an earlier run there, and what a resume changes
+        resume = check_start(cfg, RunDir.at(cfg.run.root, cfg.run.experiment, cfg.run.trial, sweep_job_number()))
+    except ConfigError as e:
+        exit_on_config_error(e)
     run_dir = RunDir.create(cfg.run.root, cfg.run.experiment, cfg.run.trial, sweep_job_number())
     setup_logging("controller", 0, cfg.run.log_level, run_dir.log_file("controller", 0))
-    run_dir.write_config(dump_config(cfg))
+    if resume is not None:
+        cfg = applied(resume, cfg)
+    written = write_run_config(cfg, run_dir, resume)
     warn_tiny_task_settings(cfg)
     log.info(
         "allocation %s on cluster %s (%s); run directory %s",
@@ -77,7 +75,8 @@ def run(dcfg: DictConfig) -> None:
     )
     if cfg.run.dry_run:
         print(dump_config(cfg), end="")
-        log.info("run.dry_run=true: the config is valid and written to %s; nothing was started", run_dir.config_file)
+        where = f"written to {written}" if written else f"not written: {run_dir.config_file} stays the run's config"
+        log.info("run.dry_run=true: the config is valid and %s; nothing was started", where)
         return
     from hpcrl.controller.job import run_job
     from hpcrl.controller.preempt import Preempted, PreemptionGuard
@@ -104,6 +103,26 @@ def run(dcfg: DictConfig) -> None:
         sys.exit(1)
     (run_dir.path / SUMMARY_FILE).write_text(json.dumps(summary) + "\n")
     print(json.dumps(summary), flush=True)
+
+
+def write_run_config(cfg: Config, run_dir: RunDir, resume: Resume | None) -> Path | None:
+    """Write the config the run goes on with, and return where (None: nothing written). A new run's is
+    ``config.yaml``; a resume that changes settings writes ``config.resumed-N.yaml`` beside the run's, headed by the
+    changes, and says them in one line (the run's own config stays as it is: a dry run writes nothing)."""
+    if resume is None:
+        return run_dir.write_first_config(dump_config(cfg))
+    if not resume.changes:
+        log.info("resuming the run in %s with its settings (%s)", run_dir.path, run_dir.config_file.name)
+        return None
+    changes = "; ".join(map(str, resume.changes))
+    if cfg.run.dry_run:
+        log.warning("resuming the run in %s would change these settings: %s", run_dir.path, changes)
+        return None
+    was = run_dir.config_file
+    path = run_dir.add_resumed_config(resume.header(was) + dump_config(cfg))
+    log.warning("resuming the run in %s with changed settings (%s, beside %s): %s", run_dir.path, path.name,
+                was.name, changes)  # fmt: skip
+    return path
 
 
 def interrupted_message(run_dir: RunDir, every_steps: int, overrides: list[str], sweep_job: int | None) -> str:

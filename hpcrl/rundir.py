@@ -1,5 +1,9 @@
 """The run directory ``<root>/<experiment>/<trial>/``: resolved config, worker logs, registry, checkpoints.
 
+``config.yaml`` is the config the run started with; a resume that changed settings (``hpcrl.config.resume``) writes
+the config it goes on with beside it, ``config.resumed-1.yaml``, ``config.resumed-2.yaml``, ..., each headed by the
+changes. ``config_file`` is the newest of them: the config the run uses now, which every worker reads.
+
 Each job of a ``-m`` sweep has its own, ``<root>/<experiment>/<trial>/<job number>/`` (Hydra's job number,
 as in Hydra's own sweep directories), so no two jobs share metrics, checkpoints, registry or secret.
 On a cluster it lies on a filesystem shared by every node: workers write their logs and register
@@ -9,6 +13,7 @@ their addresses there, and the controller reads them.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -54,16 +59,64 @@ class RunDir:
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
 
+    def resumable(self) -> bool:
+        """Whether a complete checkpoint is here (a step directory with its controller state: hpcrl/controller/
+        recovery.py), which ``recover.mode=auto`` resumes from."""
+        if not self.checkpoints.is_dir():
+            return False
+        steps = (p for p in self.checkpoints.iterdir() if _STEP_DIR.fullmatch(p.name))
+        return any((p / "controller.json").is_file() for p in steps)
+
     @property
     def config_file(self) -> Path:
+        """The config the run uses now: the newest ``config.resumed-N.yaml``, else ``config.yaml``."""
+        resumed = self.resumed_configs()
+        return resumed[-1] if resumed else self.first_config_file
+
+    @property
+    def first_config_file(self) -> Path:
+        """The config the run started with, ``config.yaml``."""
         return self.path / "config.yaml"
+
+    def resumed_configs(self) -> list[Path]:
+        """The configs resumes with changed settings wrote, oldest first."""
+        found = [(_resumed_number(p.name), p) for p in self.path.glob("config.resumed-*.yaml")]
+        return [p for n, p in sorted(found) if n is not None]
 
     def log_file(self, role: str, rank: int) -> Path:
         return self.logs / f"{role}-{rank}.log"
 
     def write_config(self, text: str) -> Path:
-        write_atomic(self.config_file, text)
-        return self.config_file
+        """Write the config the run uses now (``config_file``)."""
+        path = self.config_file
+        write_atomic(path, text)
+        return path
+
+    def write_first_config(self, text: str) -> Path:
+        """Start the run's configs afresh: ``config.yaml``, and no resumed one (an earlier run's, which left no
+        checkpoint to resume from, is deleted)."""
+        for path in self.resumed_configs():
+            path.unlink()
+        write_atomic(self.first_config_file, text)
+        return self.first_config_file
+
+    def add_resumed_config(self, text: str) -> Path:
+        """Write the config a resume goes on with as ``config.resumed-N.yaml``, N one past the newest; it is now
+        ``config_file``."""
+        resumed = self.resumed_configs()
+        number = 1 + (_resumed_number(resumed[-1].name) or 0) if resumed else 1
+        path = self.path / f"config.resumed-{number}.yaml"
+        write_atomic(path, text)
+        return path
+
+
+_STEP_DIR = re.compile(r"step_\d+")  # a checkpoint's directory; .partial, .old and .broken ones are not
+_RESUMED = re.compile(r"config\.resumed-(\d+)\.yaml")
+
+
+def _resumed_number(name: str) -> int | None:
+    found = _RESUMED.fullmatch(name)
+    return int(found.group(1)) if found else None
 
 
 def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:

@@ -84,6 +84,46 @@ def test_a_directory_an_earlier_run_left_steps_in_is_refused_unless_it_resumes(m
     assert main_cli("run.trial=fresh", "run.dry_run=true").returncode == 0
 
 
+def resumable_run(main_cli, tmp_path, trial: str):
+    """A run directory as a run that wrote a checkpoint leaves it: its config.yaml and a complete checkpoint."""
+    assert main_cli(f"run.trial={trial}", "run.dry_run=true").returncode == 0
+    run_dir = tmp_path / "default" / trial
+    (run_dir / "checkpoints" / "step_000002").mkdir()
+    (run_dir / "checkpoints" / "step_000002" / "controller.json").write_text("{}")
+    return run_dir
+
+
+def test_a_resume_that_changes_what_its_checkpoints_hold_is_refused_naming_each_change(main_cli, tmp_path):
+    # the checkpoint's model is 128 wide and its groups are 8: the run went on with them, config.yaml said otherwise
+    run_dir = resumable_run(main_cli, tmp_path, "kept")
+    saved = (run_dir / "config.yaml").read_text()
+    overrides = ["model.tiny.hidden_size=32", "algorithm.group_size=4", "train.lr=0.001", "run.seed=3"]
+    result = main_cli("run.trial=kept", "recover.mode=auto", *overrides, "run.dry_run=true")
+    assert result.returncode == 2, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.strip()]
+    assert line.startswith(f"hpcrl: config error: run.seed=3 is invalid: expected 0, as the run in {run_dir} (config")
+    assert "(changed: run.seed: 0 -> 3; algorithm.group_size: 8 -> 4; model.tiny.hidden_size: 128 -> 32);" in line
+    assert "train.lr" not in line and "another run.trial" in line
+    assert (run_dir / "config.yaml").read_text() == saved
+
+
+def test_a_resume_lists_the_settings_it_changes_and_keeps_the_runs_config(main_cli, tmp_path):
+    run_dir = resumable_run(main_cli, tmp_path, "changed")
+    saved = (run_dir / "config.yaml").read_text()
+    overrides = ["train.lr=0.001", "run.max_steps=9", "+cluster.env.A=1", "checkpoint.every_steps=3"]
+    result = main_cli("run.trial=changed", *overrides, "recover.mode=auto", "run.dry_run=true")
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(result.stdout)["train"]["lr"] == 0.001
+    (line,) = [line for line in result.stderr.splitlines() if "would change" in line]
+    assert line.endswith(
+        "would change these settings: run.max_steps: 200 -> 9; train.lr: 0.0005 -> 0.001; "
+        "checkpoint.every_steps: 0 -> 3; cluster.env.A: '<unset>' -> '1'"
+    )
+    # a dry run resumes nothing: the run's config stays as it is, and none is written beside it
+    assert (run_dir / "config.yaml").read_text() == saved
+    assert sorted(p.name for p in run_dir.glob("config*")) == ["config.yaml"]
+
+
 def test_the_run_directory_config_loads_back_without_hydra(main_cli, tmp_path):
     from hpcrl.config.load import load_run_config
 

@@ -20,6 +20,31 @@ def test_run_dir_layout(tmp_path):
     assert run.write_config("a: 1\n").read_text() == "a: 1\n"
 
 
+def test_the_config_a_run_uses_is_its_newest_and_a_new_start_drops_an_earlier_runs_resumed_ones(tmp_path):
+    run = RunDir.create(tmp_path, "exp", "trial")
+    assert run.write_first_config("a: 1\n") == run.config_file == run.path / "config.yaml"
+    first = run.add_resumed_config("a: 2\n")
+    for n in (3, 4, 5, 6, 7, 8, 9, 10):  # numbers, not names, order them: 10 after 9
+        run.add_resumed_config(f"a: {n}\n")
+    assert first.name == "config.resumed-1.yaml" and run.config_file.name == "config.resumed-9.yaml"
+    assert run.config_file.read_text() == "a: 10\n" and run.write_config("a: 11\n") == run.config_file
+    assert (run.path / "config.yaml").read_text() == "a: 1\n"
+    run.write_first_config("b: 1\n")
+    assert sorted(p.name for p in run.path.glob("config*")) == ["config.yaml"]
+    assert run.config_file.read_text() == "b: 1\n"
+
+
+def test_a_run_is_resumable_with_a_complete_checkpoint_only(tmp_path):
+    run = RunDir.create(tmp_path, "exp", "trial")
+    for name in ("step_000004.partial", "step_000002.broken", "step_000006"):
+        (run.checkpoints / name).mkdir()
+    for name in ("step_000004.partial", "step_000002.broken"):
+        (run.checkpoints / name / "controller.json").write_text("{}")
+    assert not run.resumable(), "a step directory without controller.json is an interrupted save"
+    (run.checkpoints / "step_000006" / "controller.json").write_text("{}")
+    assert run.resumable()
+
+
 def test_write_atomic_leaves_no_temporary_file_and_sets_mode(tmp_path):
     target = tmp_path / "secret"
     write_atomic(target, "x", mode=0o600)

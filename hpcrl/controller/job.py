@@ -1,7 +1,7 @@
 """The job ``python -m hpcrl.main`` runs: data, model, workers, the loop, and its summary.
 
     prepare: data splits -> prompts as the model sees them (dataset.chat_template) -> model directory (a tiny one is
-             made for the task) -> config.yaml + secret
+             made for the task; its path in the run's config) -> secret
     start:   scheduler (local, or Slurm) -> server workers + trainer ranks (+ critic ranks, + rollout workers; each
              registers host:port when it serves)
     run:     Loop (rollout -> train -> weight sync -> eval -> metrics) until the budget or the target
@@ -63,8 +63,9 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
     train, held_out = load_splits(cfg.dataset, cfg.run.seed)
     train_rows, eval_rows = prepare_rows(cfg, list(train), list(held_out))
     model_path = prepare_model(cfg, run_dir, train_rows + eval_rows)
-    cfg = replace(cfg, model=replace(cfg.model, path=str(model_path)))
-    run_dir.write_config(dump_config(cfg))
+    if str(model_path) != cfg.model.path:  # a new run's (a resume's is resolved): workers read where the model is
+        cfg = replace(cfg, model=replace(cfg.model, path=str(model_path)))
+        run_dir.write_config(dump_config(cfg))
     token = read_token(run_dir.path) if (run_dir.path / "secret").exists() else create_token(run_dir.path)
     alloc = cfg.allocation
     counts = {

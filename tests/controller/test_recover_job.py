@@ -15,6 +15,7 @@ import time
 
 import psutil
 import pytest
+import yaml
 
 from tests.conftest import REPO
 from tests.controller.test_job import metrics_of, processes_of, run_job, summary_of
@@ -199,9 +200,21 @@ def test_a_run_killed_the_moment_a_checkpoint_is_complete_keeps_that_steps_line(
         finally:
             kill_run(job, run_dir)
     assert 4 in steps_logged(run_dir), "a complete checkpoint of step 4, and no line for step 4"
-    summary = summary_of(run_job(tmp_path, f"run.trial={trial}", *SMALL, "run.max_steps=6"))
+    # resumed with a new budget and learning rate, which apply (the checkpoint's optimizer state held the old lr)
+    result = run_job(tmp_path, f"run.trial={trial}", *SMALL, "run.max_steps=6", "train.lr=0.001")
+    summary = summary_of(result)
     assert (summary["steps"], summary["resumed_from_step"]) == (6, 4)
-    assert [r["step"] for r in metrics_of(run_dir)] == [1, 2, 3, 4, 5, 6]
+    rows = metrics_of(run_dir)
+    assert [(r["step"], r["lr"]) for r in rows] == [(1, 5e-4), (2, 5e-4), (3, 5e-4), (4, 5e-4), (5, 1e-3), (6, 1e-3)]
+    changes = "run.max_steps: 8 -> 6; train.lr: 0.0005 -> 0.001"
+    assert f"with changed settings (config.resumed-1.yaml, beside config.yaml): {changes}" in result.stderr
+    # config.yaml stays what the run started with; the config it went on with, which the workers read, is beside it
+    first = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert (first["run"]["max_steps"], first["train"]["lr"]) == (8, 5e-4)
+    resumed = (run_dir / "config.resumed-1.yaml").read_text()
+    head = ["# resumed with these changes from config.yaml:", "# run.max_steps: 8 -> 6", "# train.lr: 0.0005 -> 0.001"]
+    assert resumed.splitlines()[:3] == head
+    assert (yaml.safe_load(resumed)["run"]["max_steps"], yaml.safe_load(resumed)["train"]["lr"]) == (6, 1e-3)
 
 
 @pytest.mark.slow

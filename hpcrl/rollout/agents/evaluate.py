@@ -4,10 +4,11 @@ any OpenAI-compatible server, without hpcrl's loop.
 The same episode function a run trains (``workflow.name``) runs once per held-out row, greedily (temperature
 0), against ``URL`` (e.g. ``http://127.0.0.1:30000/v1``: hpcrl's CPU server or SGLang, serving the trained model
 with the run's chat template and tool-call parser); its final reward is scored by the run's ``reward.fn``, here
-in this process. ``--run-dir`` takes the agent, the reward, the held-out rows and the sampling from a run's
-``config.yaml`` (the rollout's ``max_tokens``, ``top_p`` and ``stop``: the ``ep.sampling`` the run's own held-out
-evaluation gives the agent); ``--agent``, ``--reward``, ``--eval-size``, ``--seed`` and ``--max-tokens`` set them
-for the default task without one. Prints one JSON line:
+in this process. ``--run-dir`` takes the agent, the reward, the held-out rows and the sampling from the config a
+run uses (``config.yaml``, or the newest ``config.resumed-N.yaml``: ``RunDir.config_file``; the rollout's
+``max_tokens``, ``top_p`` and ``stop``: the ``ep.sampling`` the run's own held-out evaluation gives the agent);
+``--agent``, ``--reward``, ``--eval-size``, ``--seed`` and ``--max-tokens`` set them for the default task without
+one. Prints one JSON line:
 ``{"accuracy": ..., "rows": ..., "agent": ..., "base_url": ...}``.
 
 Rewards an episode gives with ``set_reward`` count too: its final reward is the one it returns, else the last it
@@ -52,8 +53,9 @@ def settings(args: argparse.Namespace) -> tuple[str, str, list[dict[str, str]], 
         from hpcrl.config.load import load_run_config
         from hpcrl.data import load_splits
         from hpcrl.rollout.workflows.base import sampling_params
+        from hpcrl.rundir import RunDir
 
-        cfg = load_run_config(Path(args.run_dir) / "config.yaml")
+        cfg = load_run_config(RunDir(Path(args.run_dir)).config_file)
         _, held_out = load_splits(cfg.dataset, cfg.run.seed)
         agent, reward, sampling = cfg.workflow.name, cfg.reward.fn, sampling_params(cfg.rollout)
     else:
