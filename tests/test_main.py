@@ -130,3 +130,18 @@ def test_the_run_directory_config_loads_back_without_hydra(main_cli, tmp_path):
     assert main_cli("run.trial=reload", "algorithm=dapo", "run.dry_run=true").returncode == 0
     cfg = load_run_config(tmp_path / "default" / "reload" / "config.yaml")
     assert cfg.algorithm.name == "dapo" and cfg.allocation.trainer.workers == 1 and cfg.run.trial == "reload"
+
+
+def test_the_controller_jobs_launcher_is_hpcrls_on_submitits_schema_without_hydras_deprecation_warning():
+    # a conf/hydra/launcher/submitit_slurm.yaml was merged onto the plugin's schema of that name by Hydra's
+    # "automatic schema matching", which warned on every composition (three times a submitit call)
+    result = run_main("hydra/launcher=submitit_slurm", "--cfg", "hydra", "-p", "hydra.launcher")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    launcher = yaml.safe_load(result.stdout)
+    assert launcher["_target_"] == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert (launcher["name"], launcher["partition"]) == (
+        "hpcrl-${run.experiment}",
+        "${hpcrl.controller:${cluster},partition}",
+    )
+    assert (launcher["array_parallelism"], launcher["max_num_timeout"]) == (256, "${cluster.controller.max_requeues}")

@@ -62,8 +62,12 @@ OmegaConf.register_new_resolver("hpcrl.lines", lambda lines: "\n".join(lines), r
 
 
 def register_schema() -> None:
-    """Register the root schema once; conf/config.yaml lists it first in its defaults."""
+    """Register the root schema once; conf/config.yaml lists it first in its defaults. The controller job's
+    launcher option (``hydra/launcher=submitit_slurm``) too: ``hpcrl.config.launcher``."""
+    from hpcrl.config.launcher import register_launcher
+
     ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
+    register_launcher()
 
 
 def to_config(dcfg: DictConfig) -> Config:

@@ -55,7 +55,7 @@ def test_every_yaml_parses(path):
     assert isinstance(yaml.safe_load(path.read_text()), dict)
 
 
-# options of hpcrl's groups; conf/hydra/ holds Hydra's own (hydra/launcher/...), composed on Hydra's schemas
+# options of hpcrl's groups (a conf/hydra/ would hold Hydra's own, composed on Hydra's schemas)
 GROUP_OPTIONS = [p for p in ALL_YAML if p.parent != CONF_DIR and p.relative_to(CONF_DIR).parts[0] != "hydra"]
 
 

@@ -1,6 +1,6 @@
 """The controller job: ``python -m hpcrl.main -m hydra/launcher=submitit_slurm cluster=SITE ...`` runs the
 controller itself as one Slurm job, with the partition, time limit and CPUs of the cluster group's
-``controller`` (conf/hydra/launcher/submitit_slurm.yaml); with ``hydra/launcher=submitit_local`` the same
+``controller`` (hpcrl/config/launcher.py); with ``hydra/launcher=submitit_local`` the same
 command runs it on this machine. The submitting command waits for the job and exits with its outcome.
 
 The sweep directory ``<root>/<experiment>/<trial>`` is the same in the submitting process and in the jobs: the
