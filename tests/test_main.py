@@ -4,6 +4,7 @@
 the job itself is tested in tests/controller.
 """
 
+import pytest
 import yaml
 
 from tests.conftest import run_main
@@ -130,6 +131,22 @@ def test_the_run_directory_config_loads_back_without_hydra(main_cli, tmp_path):
     assert main_cli("run.trial=reload", "algorithm=dapo", "run.dry_run=true").returncode == 0
     cfg = load_run_config(tmp_path / "default" / "reload" / "config.yaml")
     assert cfg.algorithm.name == "dapo" and cfg.allocation.trainer.workers == 1 and cfg.run.trial == "reload"
+
+
+@pytest.mark.parametrize("launcher", ["submitit_slurm", "submitit_local"])
+def test_a_dry_run_under_a_submitit_launcher_submits_nothing_and_prints_what_it_would(main_cli, tmp_path, launcher):
+    # the check ran inside the submitted job: a dry run submitted one (here, without sbatch, submitit_slurm failed)
+    result = main_cli("-m", f"hydra/launcher={launcher}", "run.trial=dry", "train.lr=1e-4,2e-4", "run.dry_run=true")
+    assert result.returncode == 0, result.stderr
+    settings, *jobs = yaml.safe_load_all(result.stdout)
+    assert [(job["train"]["lr"], job["run"]["trial"]) for job in jobs] == [(1e-4, "dry"), (2e-4, "dry")]
+    assert settings["_target_"].endswith("SlurmLauncher" if launcher == "submitit_slurm" else "LocalLauncher")
+    if launcher == "submitit_slurm":  # hpcrl's settings for the controller's job, resolved from the cluster group
+        assert (settings["name"], settings["timeout_min"], settings["mem_gb"]) == ("hpcrl-default", 60, 8)
+    assert settings["submitit_folder"] == f"{tmp_path}/default/dry/.submitit/%j"
+    assert f"--- # job 1 train.lr=0.0002: in {tmp_path}/default/dry/1" in result.stdout
+    assert "nothing was submitted" in result.stderr
+    assert not (tmp_path / "default").exists(), "nothing submitted, no run directory, no .submitit"
 
 
 def test_the_controller_jobs_launcher_is_hpcrls_on_submitits_schema_without_hydras_deprecation_warning():

@@ -1,15 +1,18 @@
 """The Hydra edge: schema registration, DictConfig -> Config conversion, and the pre-launch check.
 
 Below this module no code sees a DictConfig: ``to_config`` turns the composed config into plain
-dataclasses once, validated. ``ValidateBeforeLaunch`` runs the same check in the submitting process
-of a multirun (``-m``), so a bad config fails before any Slurm job is submitted.
+dataclasses once, validated. ``ValidateBeforeLaunch`` runs the same check on every job of a multirun (``-m``)
+before its launcher starts or submits any, so a bad job fails before the first runs or any Slurm job is submitted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
+import traceback
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -90,9 +93,9 @@ def _key(e: OmegaConfBaseException) -> str:
     return str(getattr(e, "full_key", None) or "<config>")
 
 
-def exit_on_config_error(e: ConfigError) -> NoReturn:
-    """One line on stderr naming the bad field, and exit code 2."""
-    print(f"hpcrl: config error: {e}", file=sys.stderr)
+def exit_on_config_error(e: ConfigError, where: str = "") -> NoReturn:
+    """One line on stderr naming the bad field (after ``where``: which job of a sweep), and exit code 2."""
+    print(f"hpcrl: config error: {where}{e}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -162,22 +165,36 @@ def launch_config_or_exit(dcfg: DictConfig, overrides: Sequence[str]) -> Config:
 
 
 class ValidateBeforeLaunch(Callback):
-    """Fail a multirun before its launcher submits anything when the config is invalid; with a submitit
-    launcher, say where each job's run directory and logs will be, and print each job's summary at the end.
+    """Check every job of a multirun before its launcher starts or submits any (``check_sweep``); with a submitit
+    launcher, say where each job's run directory and logs will be, and print each job's summary at the end, or,
+    for a dry run, print what would be submitted and submit nothing (``print_dry_run``).
 
     Hydra turns an exception raised in a callback into a warning and goes on, so this exits instead.
     """
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        launch_config_or_exit(config, list(config.hydra.overrides.task))
-        if _submitit(config):
-            sweep = Path(str(config.hydra.sweep.dir)).absolute()
-            print(
-                f"hpcrl: each job of this sweep runs in {sweep}/<job number>/ (0 for a single job); follow it in "
-                f"{sweep}/<job number>/logs/controller-0.log; the jobs' own output: {sweep}/.submitit/<job id>/",
-                file=sys.stderr,
-                flush=True,
-            )
+        try:
+            self._check(config)
+        except Exception:  # Hydra would warn and launch the sweep unchecked (or submit a dry run): end here
+            with contextlib.suppress(OSError):  # stdout or stderr closed (a pipe) is one such exception
+                traceback.print_exc()
+                print("hpcrl: the sweep's check failed (above); nothing was started or submitted", file=sys.stderr)
+            sys.exit(1)
+
+    def _check(self, config: DictConfig) -> None:
+        jobs = check_sweep(config)
+        if not _submitit(config):
+            return  # the basic launcher's jobs run here, each a run (or a dry run) of its own
+        if any(job.cfg.run.dry_run for job in jobs):
+            print_dry_run(config, jobs)
+            sys.exit(0)
+        sweep = Path(str(config.hydra.sweep.dir)).absolute()
+        print(
+            f"hpcrl: each job of this sweep runs in {sweep}/<job number>/ (0 for a single job); follow it in "
+            f"{sweep}/<job number>/logs/controller-0.log; the jobs' own output: {sweep}/.submitit/<job id>/",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if not _submitit(config):
@@ -185,6 +202,77 @@ class ValidateBeforeLaunch(Callback):
         sweep = Path(str(config.hydra.sweep.dir)).absolute()
         for summary in sorted(sweep.glob(f"*/{SUMMARY_FILE}"), key=lambda p: int(p.parent.name)):
             print(summary.read_text().strip(), flush=True)
+
+
+@dataclass(frozen=True)
+class SweepJob:
+    number: int  # Hydra's job number, hydra.job.num
+    swept: list[str]  # its values of the swept keys, e.g. ["train.lr=0.0001"]
+    cfg: Config  # its config, checked
+
+
+def check_sweep(config: DictConfig) -> list[SweepJob]:
+    """Every job of a multirun, each composed as its launcher will compose it and checked as ``hpcrl.main`` checks
+    it (``launch_config``, and its run directory: ``resume.check_start``); the first bad one exits with its one
+    line, naming the job when there are several. With a sweeper other than Hydra's basic one, whose jobs are known
+    only as it runs, the sweep's own config is checked."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from hpcrl.config.resume import check_start
+    from hpcrl.rundir import RunDir
+
+    overrides = sweep_overrides(config)
+    if overrides is None:
+        return [SweepJob(0, [], launch_config_or_exit(config, list(config.hydra.overrides.task)))]
+    loader = GlobalHydra.instance().config_loader()
+    swept = [i for i, values in enumerate(zip(*overrides, strict=True)) if len(set(values)) > 1]
+    jobs = []
+    for number, job in enumerate(overrides):
+        where = f"job {number} of the sweep ({' '.join(job[i] for i in swept)}): " if len(overrides) > 1 else ""
+        try:
+            cfg = launch_config(loader.load_sweep_config(config, list(job)), job)
+            check_start(cfg, RunDir.at(cfg.run.root, cfg.run.experiment, cfg.run.trial, number))
+        except ConfigError as e:
+            exit_on_config_error(e, where)
+        jobs.append(SweepJob(number, [job[i] for i in swept], cfg))
+    return jobs
+
+
+def sweep_overrides(config: DictConfig) -> list[list[str]] | None:
+    """Each job's overrides, in job-number order, as Hydra's basic sweeper makes them (``hydra.sweeper.params``,
+    then the command line's, their product); None under another sweeper."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper  # its split is Hydra's only statement of it
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if config.hydra.sweeper.get("_target_") != f"{BasicSweeper.__module__}.{BasicSweeper.__name__}":
+        return None
+    params = [f"{key}={value}" for key, value in (config.hydra.sweeper.get("params") or {}).items()]
+    parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+    arguments = parser.parse_overrides([*params, *config.hydra.overrides.task])
+    return [job for batch in BasicSweeper.split_arguments(arguments, None) for job in batch]
+
+
+def print_dry_run(config: DictConfig, jobs: list[SweepJob]) -> None:
+    """What a submitit launcher would submit, on stdout as YAML documents: the launcher's settings (every job's),
+    then each job's config; nothing is submitted (a dry run in the job would be a job all the same)."""
+    from hpcrl.config.load import dump_config
+
+    launcher = config.hydra.runtime.choices.get("hydra/launcher", "the launcher")
+    if len({job.cfg.run.dry_run for job in jobs}) > 1:  # one job submitted and another not is no dry run
+        exit_on_config_error(ConfigError("run.dry_run", "true,false", "the same for every job of a dry run"))
+    print(f"# run.dry_run=true: nothing is submitted; {launcher} would submit {len(jobs)} job(s) with these settings")
+    print(OmegaConf.to_yaml(config.hydra.launcher, resolve=True), end="")
+    for job in jobs:
+        run_dir = Path(job.cfg.run.root).expanduser().absolute() / job.cfg.run.experiment / job.cfg.run.trial
+        print(f"--- # job {job.number} {' '.join(job.swept)}: in {run_dir / str(job.number)}")
+        print(dump_config(job.cfg), end="")
+    print(
+        f"hpcrl: run.dry_run=true: the config of each of the {len(jobs)} job(s) is valid; nothing was submitted "
+        f"(stdout: the settings of {launcher}, then each job's config)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 SUMMARY_FILE = "summary.json"  # a run directory's summary line, which hpcrl.main also prints

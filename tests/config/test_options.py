@@ -60,6 +60,24 @@ def test_every_option_of_a_sweep_is_checked_before_anything_runs(main_cli, tmp_p
     assert not (tmp_path / "default" / "swept").exists(), "not even the first job of the sweep may run"
 
 
+@pytest.mark.parametrize("launcher", ["basic", "submitit_local"])
+def test_every_job_of_a_sweep_is_checked_before_the_first_runs_or_is_submitted(main_cli, tmp_path, launcher):
+    # each job's values compose; job 2's fail a check: they used to fail once jobs 0 and 1 had run to their end
+    chosen = [f"hydra/launcher={launcher}"] if launcher != "basic" else []
+    result = main_cli("-m", *chosen, "run.trial=swept", "train.lr=1e-4,-1", "algorithm=grpo,dapo", "run.dry_run=true")
+    line = one_error_line(result)
+    assert line.startswith("hpcrl: config error: job 2 of the sweep (train.lr=-1 algorithm=grpo): train.lr=-1.0 is ")
+    assert not (tmp_path / "default" / "swept").exists(), "no job may run, and none be submitted"
+
+
+def test_a_sweep_job_whose_run_directory_holds_an_earlier_run_is_refused_before_any_runs(main_cli, tmp_path):
+    (tmp_path / "default" / "swept" / "1").mkdir(parents=True)
+    (tmp_path / "default" / "swept" / "1" / "metrics.jsonl").write_text('{"step": 1}\n')
+    line = one_error_line(main_cli("-m", "run.trial=swept", "algorithm=grpo,dapo", "run.dry_run=true"))
+    assert line.startswith("hpcrl: config error: job 1 of the sweep (algorithm=dapo): recover.mode='off' is invalid")
+    assert sorted(p.name for p in (tmp_path / "default" / "swept").iterdir()) == ["1"], "job 0 did not run"
+
+
 @pytest.mark.parametrize("module", ["hpcrl.sbatch", "hpcrl.doctor"])
 def test_sbatch_and_the_doctor_refuse_a_misspelled_option_as_main_does(module, tmp_path):
     args = ["controller", "--dry-run"] if module == "hpcrl.sbatch" else []
