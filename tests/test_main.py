@@ -1,6 +1,7 @@
 """``python -m hpcrl.main`` as a user runs it: a real process, the real conf/.
 
-``run.dry_run=true`` validates, writes the run directory's config.yaml, prints the config and stops;
+``run.dry_run=true`` validates, writes a new run's config.yaml (a resume's dry run writes none), prints the config
+and stops, and under a submitit launcher submits nothing;
 the job itself is tested in tests/controller.
 """
 

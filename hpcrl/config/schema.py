@@ -22,7 +22,7 @@ class RunConfig:
     seed: int = 0  # seed for data order, sampling and model init
     max_steps: int = 200  # step budget: the run stops after this many train steps
     log_level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR
-    dry_run: bool = False  # validate, write the run directory's config.yaml, print the config, and stop
+    dry_run: bool = False  # validate, print the config and stop; writes a new run's config.yaml, submits nothing
 
 
 @dataclass
