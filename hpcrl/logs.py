@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -10,7 +11,9 @@ FORMAT = "%(asctime)s [{role}:{rank}] %(levelname)s %(name)s: %(message)s"
 
 
 def setup_logging(role: str, rank: int | str, level: str = "INFO", log_file: Path | None = None) -> None:
-    """Configure the root logger of this process for one worker (or the controller)."""
+    """Configure the root logger of this process for one worker (or the controller); library progress bars only
+    where stderr is a terminal (``library_bars_off_unless_terminal``)."""
+    library_bars_off_unless_terminal()
     formatter = logging.Formatter(FORMAT.format(role=role, rank=rank), datefmt="%H:%M:%S")
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_file is not None:
@@ -19,3 +22,12 @@ def setup_logging(role: str, rank: int | str, level: str = "INFO", log_file: Pat
     for handler in handlers:
         handler.setFormatter(formatter)
     logging.basicConfig(level=level, handlers=handlers, force=True)
+
+
+def library_bars_off_unless_terminal() -> None:
+    """No progress bars from Hugging Face libraries (transformers' "Loading weights", "Writing model shards") unless
+    stderr is a terminal: in a log file or a Slurm job's output each is a line of carriage-return frames. Through
+    ``HF_HUB_DISABLE_PROGRESS_BARS``, which huggingface_hub reads when first imported (every hpcrl process sets up
+    its logging before that) and the processes this one starts inherit; a value the user set wins."""
+    if not sys.stderr.isatty():
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

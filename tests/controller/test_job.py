@@ -99,6 +99,10 @@ def test_every_trained_token_is_within_the_staleness_bound(tmp_path, staleness, 
     summary_of(result)
     # the local cluster's own settings are not Slurm's: no warning (before: two, each with a RoleResources dump)
     assert "ignore" not in result.stderr, result.stderr[-3000:]
+    # stderr is a pipe: no progress bar in it, neither the run's (tqdm frames, one more per step) nor a library's
+    # ("Writing model shards" as the tiny model is made), but a progress line each step (a tenth of 6 steps)
+    assert not re.search(r"\d+%\|.*\| *\d+/\d+ \[", result.stderr), result.stderr[-3000:]
+    assert "progress: step 6 of 6 (100%)" in result.stderr, result.stderr[-3000:]
     rows = metrics_of(tmp_path / "default" / trial)
     assert len(rows) == 6
     # the schedule counts every update (2 a step): a step logs its two updates' mean rate; the cosine ends after the
@@ -138,7 +142,11 @@ def test_no_group_is_trained_past_the_staleness_bound_when_completion_lengths_va
     overrides = [f"run.trial={trial}", "experiment=mod10_multi_turn", "workflow.max_turns=6", "run.max_steps=8"]
     overrides += ["rollout.max_staleness=1", "rollout.prompts_per_step=8", "eval.stop_at_accuracy=0"]
     overrides += ["reward.fn=tests.controller.rewards:mod10_slow_for_some", "reward.workers=8"]
-    summary_of(run_job(tmp_path, *overrides, "eval.every_steps=0"))
+    result = run_job(tmp_path, *overrides, "eval.every_steps=0")
+    summary_of(result)
+    # 8 reward processes, each started with python -m hpcrl.reward.worker: runpy warned in each that its module was
+    # imported before it ran (the package's __init__ imported it)
+    assert "RuntimeWarning" not in result.stderr, result.stderr[-3000:]
     rows = metrics_of(tmp_path / "mod10_multi_turn" / trial)
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert max(r["completion_len_max"] / r["completion_len_min"] for r in rows) >= 4, "lengths vary widely"
