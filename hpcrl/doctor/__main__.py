@@ -1,4 +1,5 @@
-"""``python -m hpcrl.doctor [--job-prefix P] [--job-timeout-s S] [--config-dir DIR] [overrides]``: preflight a cluster.
+"""``python -m hpcrl.doctor [--no-jobs] [--job-prefix P] [--job-timeout-s S] [--config-dir DIR] [overrides]``: preflight
+a cluster.
 
 Takes the overrides ``python -m hpcrl.main`` would get (and its ``--config-dir``) and prints one line per check
 (``ok|warn|fail|skip  <check>: <what was found>; <what to do>``); exits 1 when any check fails. A config that
@@ -29,6 +30,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--python", default=defaults.python, help="the interpreter the probe jobs run")
     parser.add_argument(
+        "--no-jobs",
+        dest="probe_jobs",
+        action="store_false",
+        help="submit no probe job: every check but network, run root on nodes and gpu (sbatch --test-only queues "
+        "nothing)",
+    )
+    parser.add_argument(
         "--config-dir", "-cd", type=Path, action="append", default=[], help="a directory of config groups of your own"
     )
     return parser.parse_intermixed_args(argv)  # options may come after the overrides
@@ -36,7 +44,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    options = Options(args.job_prefix, args.job_timeout_s, args.python)
+    options = Options(args.job_prefix, args.job_timeout_s, args.python, args.probe_jobs)
     setup_logging("doctor", 0, "WARNING")  # hpcrl's own warnings (e.g. about the port range), as a run logs them
     try:
         cfg = load_config(args.overrides, args.config_dir)

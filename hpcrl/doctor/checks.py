@@ -5,13 +5,15 @@
     local       run root, address, ports, setup timeouts                        (local.py)
     kind=local  the GPU checks on this machine, or why they do not apply        (gpu.py)
     kind=slurm  sbatch --test-only of every job                                 (testonly.py)
-                probe jobs on compute nodes: network, run root, GPUs            (nodes.py)
+                probe jobs on compute nodes: network, run root, GPUs            (nodes.py; none with --no-jobs)
+                without sbatch, squeue or scancel here: one fail line instead of these two (slurm_absent)
 
 Results are yielded as they are made, so a slow Slurm check does not hold back the lines before it.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ class Options:
     job_prefix: str = "hpcrl-doctor-"  # starts the name of every job the doctor submits
     job_timeout_s: float = 300.0  # deadline of the probe jobs, from submission: queue time and run time
     python: str = sys.executable  # the interpreter the probe jobs run
+    probe_jobs: bool = True  # submit the probe jobs (network, run root on nodes, gpu); False: --no-jobs
 
 
 def load_config(overrides: list[str], config_dirs: Sequence[Path] = ()) -> Config:
@@ -63,7 +66,29 @@ def run_checks(config: Config | list[str], options: Options) -> Iterator[Result]
             yield from gpu_checks_here(cfg, options.python, options.job_timeout_s)
         yield skip("slurm", f"cluster.kind={c.kind}: no sbatch checks and no probe jobs")
         return
-    yield from sbatch_checks(cfg, options.job_prefix, options.python, run_root(cfg) / ".hpcrl-doctor" / "test-only")
-    yield from node_checks(cfg, options.job_prefix, options.job_timeout_s, options.python)
+    probed = ["network", "run root on nodes", *(["gpu"] if gpu_not_applicable is None else [])]
+    missing = [command for command in SLURM_COMMANDS if shutil.which(command) is None]
+    if missing:
+        yield slurm_absent(missing, probed)
+    else:
+        yield from sbatch_checks(cfg, options.job_prefix, options.python, run_root(cfg) / ".hpcrl-doctor" / "test-only")
+        if options.probe_jobs:
+            yield from node_checks(cfg, options.job_prefix, options.job_timeout_s, options.python)
+        else:
+            yield skip("compute nodes", f"--no-jobs: no probe job submitted; not checked: {', '.join(probed)}")
     if gpu_not_applicable is not None:
         yield gpu_not_applicable
+
+
+SLURM_COMMANDS = ("sbatch", "squeue", "scancel")  # what the Slurm checks call (sacct and sinfo only add detail)
+
+
+def slurm_absent(missing: list[str], probed: list[str]) -> Result:
+    """The one line for a machine where Slurm's commands are not on PATH: what is missing, and what is not checked."""
+    found = f"{', '.join(missing)} not on PATH" if len(missing) < len(SLURM_COMMANDS) else "no Slurm commands on PATH"
+    return fail(
+        "slurm",
+        f"cluster.kind=slurm, but {found} here: no sbatch checks and no probe jobs (not checked: {', '.join(probed)})",
+        "run the doctor on a login node of the cluster, where sbatch, squeue and scancel are, or pick a local "
+        "cluster (cluster=local) to run on this machine",
+    )

@@ -97,7 +97,7 @@ class Probe(ABC):
             resources = self.resources(job_prefix + self.name)
             script = probe_script(resources, self.output, self.body(jobs.folder), self.setup(resources), self.env())
             self.job_id = jobs.submit(self.name, script)
-        except (RuntimeError, ValueError) as e:  # sbatch's complaint, or resources Slurm cannot be asked for
+        except (OSError, RuntimeError, ValueError) as e:  # no sbatch, its refusal, resources Slurm cannot be asked
             self.error = str(e)
 
     def resources(self, name: str) -> JobResources:

@@ -32,8 +32,9 @@ class Doctor:
         return self.lines[check].split()[0]
 
 
-def run_doctor(*args: str, timeout_s: float = 180) -> Doctor:
-    env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
+def run_doctor(*args: str, timeout_s: float = 180, env: dict[str, str] | None = None) -> Doctor:
+    """``python -m hpcrl.doctor ARGS`` in this environment, with ``env`` over it."""
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0", **(env or {})}
     result = subprocess.run(
         [sys.executable, "-m", "hpcrl.doctor", *args], cwd=REPO, env=env, capture_output=True, text=True,
         timeout=timeout_s,
@@ -51,3 +52,12 @@ def weights(tmp_path):
     (model / "config.json").write_text("{}")
     (model / "tokenizer.json").write_text("{}")
     return model
+
+
+SLURM_COMMANDS = ("sbatch", "squeue", "scancel", "sinfo", "sacct", "srun", "scontrol")
+
+
+def path_without_slurm() -> str:
+    """This PATH less every directory that holds a Slurm command: a machine without Slurm, whatever runs here."""
+    dirs = os.environ.get("PATH", "").split(os.pathsep)
+    return os.pathsep.join(d for d in dirs if not any(os.path.exists(os.path.join(d, c)) for c in SLURM_COMMANDS))
