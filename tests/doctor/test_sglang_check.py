@@ -133,12 +133,12 @@ def test_a_node_where_sglang_cannot_install_is_one_doctor_line_naming_all_of_it(
     from tests.config.compose import load
 
     cfg = load("cluster=slurm", "allocation.spec=sglang:d1+fsdp:d1")
-    problems = install_problems((3, 10), "ppc64le", ("glibc", "2.28"))
+    problems = install_problems((3, 13, 1), "ppc64le", ("glibc", "2.28"))
     report = {"nvidia-smi": {"ok": True, "detail": "GPU 0"}, "torch": {"ok": True, "detail": "1 devices"}}
     report["sglang"] = install_status(problems)
     line = {r.check: r for r in gpu_results(report, cfg, "node1")}["gpu sglang"].line()
     assert line == (
-        f"fail  gpu sglang: on node1: sglang {TESTED} cannot be installed here: Python 3.10 (needs 3.11 or 3.12), "
+        f"fail  gpu sglang: on node1: sglang {TESTED} cannot be installed here: Python 3.13 (needs 3.11 or 3.12), "
         "ppc64le (needs x86_64 or aarch64), glibc 2.28 (needs >= 2.34); "
         f"sglang {TESTED} publishes only wheels, for CPython 3.11/3.12 on Linux x86_64/aarch64 with glibc >= 2.34: "
         "run the servers on such nodes, or in a container image that has them"
