@@ -29,7 +29,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from hpcrl.config import ConfigError, format_spec
+from hpcrl.config import ConfigError, applies, format_spec
 from hpcrl.config.hydra import CONF_DIR, SUMMARY_FILE, exit_on_config_error, launch_config_or_exit, register_schema
 from hpcrl.config.load import dump_config
 from hpcrl.config.overrides import (
@@ -37,6 +37,7 @@ from hpcrl.config.overrides import (
     config_dirs_in,
     expand_allocation_shorthand,
     imply_group_options,
+    launcher_option,
 )
 from hpcrl.config.preflight import warn_tiny_task_settings
 from hpcrl.config.resume import Resume, applied, check_start
@@ -67,6 +68,7 @@ def run(dcfg: DictConfig) -> None:
     written = write_run_config(cfg, run_dir, resume)
     warn_tiny_task_settings(cfg)
     log.info(
+    applies.warn(cfg, launcher_option())  # once per run, on the console and in the controller's log
         "allocation %s on cluster %s (%s); run directory %s",
         format_spec(cfg.allocation.roles()),
         cfg.cluster.name,

@@ -6,10 +6,9 @@ GPUs per worker and node counts resolved) or raises ConfigError naming the first
 
 from __future__ import annotations
 
-import logging
 import math
 import os.path
-from dataclasses import fields, replace
+from dataclasses import replace
 
 from hpcrl.config.errors import ConfigError, one_of, require
 from hpcrl.config.schema import (
@@ -17,7 +16,6 @@ from hpcrl.config.schema import (
     AllocationConfig,
     ClusterConfig,
     Config,
-    ControllerJob,
     DatasetConfig,
     EvalConfig,
     InferenceConfig,
@@ -26,7 +24,6 @@ from hpcrl.config.schema import (
     NetConfig,
     RewardConfig,
     RoleAllocation,
-    RoleResources,
     RolloutConfig,
     RunConfig,
     TrainConfig,
@@ -36,8 +33,6 @@ from hpcrl.config.shorthand import SERVER_BACKENDS, TRAINER_BACKENDS, parse_spec
 from hpcrl.inference.openai.chat import TOOL_PARSERS
 from hpcrl.inference.openai.templates import TEMPLATES
 from hpcrl.inference.sglang_args import check_extra_args
-
-log = logging.getLogger(__name__)
 
 ROLES = ("server", "trainer")  # the roles every run has; the critic's (advantage=gae) and rollout's are optional
 
@@ -72,7 +67,6 @@ def validate(cfg: Config) -> Config:
     require(every >= 0, "export.every_steps", every, "an integer >= 0 (0 = the final model only)")
     check_metrics(cfg.metrics)
     check_recover(cfg)
-    warn_ignored(cfg)
     return replace(cfg, allocation=allocation, dataset=dataset)
 
 
@@ -468,31 +462,3 @@ def check_metrics(m: MetricsConfig) -> None:
 
 def check_recover(cfg: Config) -> None:
     one_of("recover.mode", cfg.recover.mode, ("off", "auto"))
-    if cfg.recover.mode == "auto" and cfg.checkpoint.every_steps == 0:
-        log.warning("recover.mode=auto with checkpoint.every_steps=0: this run writes no checkpoint to resume from")
-
-
-# what only a Slurm job uses: the local scheduler reads a role's setup_timeout_s and env, and the cluster's env
-SLURM_ONLY = ("submit_mode", "queue_timeout_min", "partition", "account", "qos", "time_min", "constraint")
-SLURM_ONLY += ("extra_sbatch", "setup")  # and every cluster.controller setting
-SLURM_ONLY_ROLE = ("cpus_per_worker", "mem_gb", "partition", "account", "qos", "constraint", "time_min")
-SLURM_ONLY_ROLE += ("extra_sbatch", "setup")
-
-
-def warn_ignored(cfg: Config) -> None:
-    """Settings that only mean something on Slurm, set on a local cluster: one line naming each."""
-    if cfg.cluster.kind == "local" and (ignored := slurm_only_settings(cfg.cluster)):
-        log.warning("cluster.kind=local ignores these Slurm settings: %s", ", ".join(ignored))
-
-
-def slurm_only_settings(c: ClusterConfig) -> list[str]:
-    """The Slurm-only settings of ``c`` that differ from their defaults, by their config keys."""
-    found = _changed("cluster", c, ClusterConfig(), SLURM_ONLY)
-    found += _changed("cluster.controller", c.controller, ControllerJob(), [f.name for f in fields(ControllerJob)])
-    for role, res in c.roles.items():
-        found += _changed(f"cluster.roles.{role}", res, RoleResources(), SLURM_ONLY_ROLE)
-    return found
-
-
-def _changed(where: str, value: object, default: object, names) -> list[str]:
-    return [f"{where}.{n}" for n in names if getattr(value, n) != getattr(default, n)]

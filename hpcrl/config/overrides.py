@@ -4,8 +4,8 @@ Hydra already rejects a misspelled key or group option, but with a multi-line re
 hint; these checks name the key (or the group), its value and what exists (with the closest match), in one
 line. ``expand_allocation_shorthand`` routes ``allocation=sglang:d4t2+fsdp:d8`` to ``allocation.spec``;
 ``imply_group_options`` makes ``model.path=DIR`` alone mean ``model=local``. After composition,
-``check_given_keys_count`` refuses a key given on the command line that the composed config would ignore
-(``dataset.train_files`` while ``dataset.name`` is ``mod10``), naming the option to add.
+``check_given_keys_count`` refuses a key given on the command line that does not apply in the composed config
+(``workflow.n`` while ``workflow.name`` is ``single_turn``: ``applies.RULES``), naming the option to add.
 """
 
 from __future__ import annotations
@@ -21,27 +21,11 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep, Override
 from hydra.errors import OverrideParseException
 
+from hpcrl.config.applies import refuse_given
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import Config
 
 SHORTHAND_EXAMPLE = "sglang:d4t2+fsdp:d8"
-
-# A key that counts only while another field has one of some values: (key, field, values, the option to add).
-# A key given on the command line whose field has another value is refused (check_given_keys_count).
-COUNTS_WHEN: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
-    ("dataset.train_files", "dataset.name", ("files",), "dataset=files (or dataset=gsm8k, experiment=gsm8k)"),
-    ("dataset.eval_files", "dataset.name", ("files",), "dataset=files (or dataset=gsm8k, experiment=gsm8k)"),
-    ("dataset.prompt_column", "dataset.name", ("files",), "dataset=files"),
-    ("dataset.answer_column", "dataset.name", ("files",), "dataset=files"),
-    ("dataset.prompt_template", "dataset.name", ("files",), "dataset=files"),
-    ("dataset.train_size", "dataset.name", ("mod10",), "dataset=mod10"),
-    ("model.path", "model.source", ("local",), "model=local"),
-    ("model.tiny", "model.source", ("tiny",), "model=tiny"),
-    ("checkpoint.keep", "checkpoint.every_steps", (), "checkpoint.every_steps=N"),  # (): any value but 0
-    ("train.weight_sync_bucket_mb", "train.weight_sync", ("distributed",), "train.weight_sync=distributed"),
-    ("inference.max_restarts", "inference.on_server_exit", ("restart",), "inference.on_server_exit=restart"),
-    ("metrics.wandb", "metrics.loggers", ("wandb",), "logger=wandb (or metrics.loggers=[tensorboard,wandb])"),
-)
 
 
 def expand_allocation_shorthand(argv: list[str]) -> list[str]:
@@ -193,32 +177,21 @@ def _expected(where: str, part: str, keys: list[str]) -> str:
 
 
 def check_given_keys_count(overrides: Sequence[str], cfg: Config) -> None:
-    """Raise ConfigError for a key given in ``overrides`` that ``cfg`` ignores (``COUNTS_WHEN``), naming the option
-    that makes it count."""
+    """Raise ConfigError for a key given in ``overrides`` that does not apply in ``cfg`` (``applies.RULES``), naming
+    the option that makes it count."""
     given = {}
     for arg in overrides:
         if "=" in arg and not arg.startswith(("-", "~")):
             override = _parse(arg)
             given[override.key_or_group] = override.value()
-    for key, value in given.items():
-        for prefix, field, values, option in COUNTS_WHEN:
-            if key != prefix and not key.startswith(prefix + "."):
-                continue
-            actual = _get(cfg, field)
-            if _counts(actual, values):
-                continue
-            now = ", ".join(actual) if isinstance(actual, list) else actual
-            wanted = f"{field}={'|'.join(values)}" if values else f"{field} set"
-            raise ConfigError(key, value, f"{option} beside it: {key} counts only with {wanted} ({field} is {now})")
+    refuse_given(given, cfg, launcher_option())
 
 
-def _counts(actual: typing.Any, values: tuple[str, ...]) -> bool:
-    if isinstance(actual, list):
-        return any(v in actual for v in values)
-    return str(actual) in values if values else bool(actual)
+def launcher_option() -> str | None:
+    """The ``hydra/launcher`` option of the running Hydra app (basic, submitit_slurm, ...); None outside one, or
+    where Hydra has not said it yet (a sweep's check before its launch): then ``applies`` reports nothing it decides."""
+    from hydra.core.hydra_config import HydraConfig
 
-
-def _get(cfg: typing.Any, dotted: str) -> typing.Any:
-    for part in dotted.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
+    if not HydraConfig.initialized():
+        return None
+    return HydraConfig.get().runtime.choices.get("hydra/launcher")

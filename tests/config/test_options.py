@@ -13,7 +13,7 @@ import yaml
 
 from hpcrl.config import ConfigError
 from hpcrl.config.hydra import compose_config
-from hpcrl.config.overrides import COUNTS_WHEN, config_dirs_in, imply_group_options
+from hpcrl.config.overrides import config_dirs_in, imply_group_options
 from tests.conftest import CONF_DIR, REPO, run_main
 
 # (group, a misspelled option, the closest option)
@@ -206,13 +206,6 @@ def getattr_path(cfg, dotted: str):
     for part in dotted.split("."):
         cfg = getattr(cfg, part)
     return cfg
-
-
-def test_every_key_that_counts_only_sometimes_is_a_key_of_the_schema():
-    from tests.test_docs import _exists
-
-    for key, field, _, _ in COUNTS_WHEN:
-        assert _exists(key) and _exists(field), (key, field)
 
 
 def test_the_refusal_is_one_line_from_the_command_line_too(main_cli):

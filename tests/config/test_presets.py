@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from hpcrl.config.applies import warn
 from hpcrl.config.preflight import TINY_TASK_SETTINGS, tiny_task_settings_in_force, warn_tiny_task_settings
 from tests.config.compose import load
 from tests.conftest import REPO
@@ -107,14 +108,18 @@ def test_a_gpu_allocation_on_the_cpu_cluster_says_what_fixes_it(main_cli):
 
 def test_slurm_settings_on_a_local_cluster_are_named_in_one_line_and_the_local_clusters_own_in_none(caplog):
     # before: every local run warned twice with a RoleResources dump, though the setup timeouts in it are used
-    with caplog.at_level(logging.WARNING, logger="hpcrl.config.checks"):
-        load()
+    with caplog.at_level(logging.WARNING, logger="hpcrl.config.applies"):
+        warn(load())
     assert caplog.records == []
-    overrides = ["cluster.partition=gpu", "cluster.roles.trainer.mem_gb=64", "cluster.roles.server.setup_timeout_s=9"]
-    with caplog.at_level(logging.WARNING, logger="hpcrl.config.checks"):
-        load(*overrides, "+cluster.roles.server.extra_sbatch=[--exclusive]", "cluster.controller.cpus=4")
+    cfg = load("cluster.roles.server.setup_timeout_s=9")
+    cfg.cluster.partition, cfg.cluster.roles["trainer"].mem_gb, cfg.cluster.controller.cpus = "gpu", 64, 4
+    cfg.cluster.roles["server"].extra_sbatch = ["--exclusive"]  # as a site's cluster file would set them
+    with caplog.at_level(logging.WARNING, logger="hpcrl.config.applies"):
+        warn(cfg, "basic")  # the controller's job settings: for when it is submitted (-m hydra/launcher=...)
     (record,) = caplog.records
     assert record.getMessage() == (
-        "cluster.kind=local ignores these Slurm settings: cluster.partition, cluster.controller.cpus, "
-        "cluster.roles.server.extra_sbatch, cluster.roles.trainer.mem_gb"
+        "these settings have no effect in this run: cluster.partition (only with cluster.kind=slurm or "
+        "hydra/launcher=submitit_slurm; cluster.kind is local, hydra/launcher is basic); "
+        "cluster.roles.server.extra_sbatch, cluster.roles.trainer.mem_gb (only with cluster.kind=slurm; cluster.kind "
+        "is local)"
     )
