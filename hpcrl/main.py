@@ -67,8 +67,8 @@ def run(dcfg: DictConfig) -> None:
         cfg = applied(resume, cfg)
     written = write_run_config(cfg, run_dir, resume)
     warn_tiny_task_settings(cfg)
-    log.info(
     applies.warn(cfg, launcher_option())  # once per run, on the console and in the controller's log
+    log.info(
         "allocation %s on cluster %s (%s); run directory %s",
         format_spec(cfg.allocation.roles()),
         cfg.cluster.name,
