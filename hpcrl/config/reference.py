@@ -38,7 +38,10 @@ Every field of hpcrl's config, with its type, its default and the comment it car
 `run.max_steps=20` or `cluster.roles.server.setup_timeout_s=1800`), or pick a YAML file of a group
 (`cluster=slurm_local`, `allocation=1node_8gpu`, ...) that sets several; `python -m hpcrl.main --cfg job`
 prints the composed config. Ranges and cross-field rules are checked before anything starts
-(`hpcrl/config/checks.py`): a bad value exits with code 2 and one line naming the field.
+(`hpcrl/config/checks.py`): a bad value exits with code 2 and one line naming the field. A field that only some
+modes use (`hpcrl/config/applies.py`, e.g. `workflow.max_turns` with `workflow.name=multi_turn`) is refused the
+same way when given on the command line where it does not apply, and named in a warning line when a file sets it
+there.
 
 Defaults here are the schema's; the default groups of `hpcrl/conf/config.yaml` (`cluster=local`,
 `allocation=cpu_tiny`, ...) override some of them.

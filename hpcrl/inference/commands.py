@@ -5,15 +5,12 @@ Both backends speak SGLang's HTTP API; the scheduler runs the argv returned here
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from hpcrl.config.schema import SERVER_BACKENDS, InferenceConfig
 from hpcrl.inference.sglang import bind_host_arg, port_arg, sglang_command
-
-log = logging.getLogger(__name__)
 
 
 def server_command(
@@ -79,8 +76,7 @@ def _cpu(
 ) -> list[str]:
     if tp_size < 1:
         raise ValueError(f"allocation.server.tp_size must be >= 1, got {tp_size}")
-    if inf.extra_args:
-        log.warning("inference.extra_args %s is ignored with the cpu server backend", inf.extra_args)
+    # inference.extra_args and mem_fraction_static are SGLang's: the run names them (config/applies.py)
     return [
         python,
         "-m",

@@ -115,7 +115,7 @@ class LaunchArgs:
 
 def check_extra_args(extra_args: Sequence[str], backend: str) -> None:
     """``validate``'s check of ``inference.extra_args``: with SGLang servers they must pass ``launch_args``
-    (the cpu server ignores them, with a warning when it starts)."""
+    (the cpu server takes none: a run says so, or refuses them given on the command line, ``config.applies``)."""
     if backend == "sglang":
         launch_args(extra_args)
 

@@ -312,8 +312,6 @@ def scaffold_workflow(
     """The scaffold ``cfg.workflow`` describes; best-of-N's verifier is ``workflow.verifier`` or the task reward."""
     w = cfg.workflow
     runs = runs_per_group(w, cfg.algorithm.group_size)
-    if w.verifier and w.name != "best_of_n":
-        log.warning("workflow.verifier=%r is ignored: only best_of_n uses a verifier", w.verifier)
     pools = []
     verifier = rewards
     if w.name == "best_of_n" and w.verifier and w.verifier != cfg.reward.fn:
