@@ -43,6 +43,7 @@ from hpcrl.config.preflight import warn_tiny_task_settings
 from hpcrl.config.resume import Resume, applied, check_start
 from hpcrl.config.schema import Config
 from hpcrl.controller.preempt import restarted_by_slurm
+from hpcrl.errors import UserError, exit_on_user_error
 from hpcrl.launch.process import end_within
 from hpcrl.logs import setup_logging
 from hpcrl.rundir import RunDir
@@ -99,6 +100,9 @@ def run(dcfg: DictConfig) -> None:
         overrides = list(HydraConfig.get().overrides.task)
         print(interrupted_message(run_dir, cfg.checkpoint.every_steps, overrides, sweep_job_number()), file=sys.stderr)
         sys.exit(130)
+    except UserError as e:  # the user's input or environment (a data row, a model directory): one line, exit 2
+        log.error("the run failed: %s", e)
+        exit_on_user_error(e)
     except Exception as e:  # every worker is stopped by now; say why, then fail
         log.error("the run failed: %s", e, exc_info=True)
         print(f"hpcrl: the run failed ({type(e).__name__}): {e}", file=sys.stderr)

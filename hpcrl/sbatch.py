@@ -8,24 +8,29 @@ composes and checks) and submits it with sbatch:
                  trainers, the critic with algorithm=ppo, rollout workers), scheduled together
 
 --dry-run prints the script and the sbatch command and submits nothing; --write FILE writes the script
-there and submits nothing (slurm/*.sbatch are made this way). A bad config exits 2 before anything is
-written or submitted. ``--config-dir DIR`` (your own groups, e.g. DIR/cluster/mysite.yaml) is searched after
-hpcrl's, as by ``python -m hpcrl.main --config-dir DIR``, and the script passes it on to the run.
+there and submits nothing (slurm/*.sbatch are made this way). A bad config, or no sbatch on this machine's PATH,
+exits 2 with one line before anything is written or submitted; a script sbatch refuses (or does not answer for)
+is one line too, exit 2, and kept to inspect. ``--config-dir DIR`` (your own groups, e.g.
+DIR/cluster/mysite.yaml) is searched after hpcrl's, as by ``python -m hpcrl.main --config-dir DIR``, and the script
+passes it on to the run.
 """
 
 from __future__ import annotations
 
 import argparse
 import shlex
+import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from hpcrl.config.errors import ConfigError
-from hpcrl.config.hydra import compose_config, exit_on_config_error
+from hpcrl.config.hydra import compose_config
 from hpcrl.config.overrides import expand_allocation_shorthand, imply_group_options
-from hpcrl.launch.slurm.hetjob import submit_script
+from hpcrl.errors import UserError, exit_on_user_error
+from hpcrl.launch.slurm.hetjob import SBATCH_TIMEOUT_S, submit_script
 from hpcrl.launch.slurm.scripts import controller_script, run_hetjob_script, write_script
 
 KINDS = ("controller", "hetjob")
@@ -41,6 +46,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--config-dir", "-cd", type=Path, action="append", default=[], help="a directory of config groups of your own"
     )
+    parser.add_argument("--verbose", action="store_true", help="a traceback for errors of the input too")
     return parser.parse_intermixed_args(argv)  # options may come after the overrides
 
 
@@ -63,9 +69,14 @@ def render(kind: str, overrides: list[str], python: str, config_dirs: Sequence[P
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        text = render(args.kind, args.overrides, args.python, args.config_dir)
-    except ConfigError as e:
-        exit_on_config_error(e)
+        make(args)
+    except UserError as e:  # a bad config, no sbatch here, a script sbatch refuses: one line, exit 2
+        exit_on_user_error(e, args.verbose)
+
+
+def make(args: argparse.Namespace) -> None:
+    """Render the script, then print it (--dry-run), write it (--write) or submit it."""
+    text = render(args.kind, args.overrides, args.python, args.config_dir)
     if args.write:
         print(f"wrote {write_script(text, args.write)}")
         return
@@ -74,8 +85,29 @@ def main(argv: list[str] | None = None) -> None:
         print(text, end="")
         print(f"# would run: sbatch {shlex.quote(str(path))}  (--dry-run: nothing written or submitted)")
         return
-    job_id = submit_script(write_script(text, path))
+    job_id = submit(text, path)
     print(f"submitted Slurm job {job_id}: sbatch {shlex.quote(str(path))}; its output: hpcrl-{job_id}.out")
+
+
+def submit(text: str, path: Path) -> str:
+    """Write the script to ``path`` and submit it; its job id. Without sbatch on PATH nothing is written
+    (``UserError``); a script sbatch refuses, or does not answer for, is a ``UserError`` and stays to inspect."""
+    if shutil.which("sbatch") is None:
+        raise UserError(
+            "sbatch is not on PATH here, so nothing was written or submitted",
+            "run this where Slurm's commands are (a login node of the cluster); --dry-run or --write FILE shows the "
+            "script anywhere",
+        )
+    try:
+        return submit_script(write_script(text, path))
+    except RuntimeError as e:  # sbatch's refusal, which names the script it kept
+        raise UserError(" ".join(str(e).split())) from e
+    except subprocess.TimeoutExpired as e:
+        raise UserError(
+            f"sbatch {path} did not answer within {SBATCH_TIMEOUT_S:g} s; the job may or may not be queued "
+            "(squeue --me) and the script is kept there",
+            "is slurmctld up? scontrol ping",
+        ) from e
 
 
 if __name__ == "__main__":

@@ -89,3 +89,34 @@ def pytest_xdist_make_scheduler(config, log):
             return module if module in SHARED_FIXTURE_MODULES else nodeid
 
     return SlurmTestsTogether(config, log)
+
+
+def user_error(result: subprocess.CompletedProcess) -> list[str]:
+    """How an entry point ended on a user error (``hpcrl.errors``): exit code 2, no traceback, and its last lines
+    from the one that starts with ``hpcrl:``: that one line, and the hint after it when it has one."""
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = result.stderr.rstrip("\n").splitlines()
+    start = max(i for i, line in enumerate(lines) if line.startswith("hpcrl:"))
+    assert len(lines) - start <= 2, result.stderr[-3000:]
+    return lines[start:]
+
+
+# Slurm's client commands: a machine without Slurm has none of them
+SLURM_COMMANDS = {"sbatch", "srun", "salloc", "squeue", "scancel", "sinfo", "sacct", "scontrol", "sstat", "sattach"}
+
+
+@pytest.fixture(scope="session")
+def path_without_slurm(tmp_path_factory) -> str:
+    """A PATH of one directory linking every command on this PATH but Slurm's: this machine without Slurm, even
+    where Slurm is installed beside the other commands (/usr/bin)."""
+    bin_dir = tmp_path_factory.mktemp("bin-without-slurm")
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        if not os.path.isdir(folder):
+            continue
+        for entry in os.scandir(folder):
+            link = bin_dir / entry.name
+            found = os.access(entry.path, os.X_OK) and not entry.is_dir()
+            if found and entry.name not in SLURM_COMMANDS and not os.path.lexists(link):  # the first on PATH wins
+                link.symlink_to(entry.path)
+    return str(bin_dir)

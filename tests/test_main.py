@@ -5,10 +5,16 @@ and stops, and under a submitit launcher submits nothing;
 the job itself is tested in tests/controller.
 """
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 import yaml
 
-from tests.conftest import run_main
+from tests.conftest import run_main, user_error
 
 
 def test_dry_run_prints_and_writes_the_validated_config(main_cli, tmp_path):
@@ -163,3 +169,41 @@ def test_the_controller_jobs_launcher_is_hpcrls_on_submitits_schema_without_hydr
         "${hpcrl.controller:${cluster},partition}",
     )
     assert (launcher["array_parallelism"], launcher["max_num_timeout"]) == (256, "${cluster.controller.max_requeues}")
+
+
+def test_a_bad_row_found_as_the_run_starts_is_one_line_and_exit_code_2(main_cli, tmp_path):
+    # before: the run's traceback (16 lines) and "hpcrl: the run failed (DataError): ...", exit code 1
+    data = tmp_path / "rows.jsonl"
+    rows = [{"question": f"{i}+1", "answer": str(i + 1)} for i in range(300)]
+    rows[100] = {"question": "100+1"}
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (line,) = user_error(main_cli("dataset=files", f"dataset.train_files=[{data}]", f"dataset.eval_files=[{data}]"))
+    assert line.startswith("hpcrl: ")
+    assert line.endswith(
+        f"{data}: row 100 (line 101): column 'answer' is missing or null; expected a string or a number"
+    )
+
+
+def test_a_model_directory_whose_tokenizer_does_not_load_is_one_line_with_a_hint(main_cli, tmp_path, tiny_model):
+    # before: transformers' traceback and "hpcrl: the run failed (KeyError): 'added_tokens'"
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    (model / "tokenizer.json").write_text("{}")
+    line, hint = user_error(main_cli(f"model.path={model}"))
+    assert line == f"hpcrl: the tokenizer in {model} does not load (KeyError: 'added_tokens')"
+    assert hint == "    a model directory needs its tokenizer's files as save_pretrained wrote them (tokenizer.json, " \
+                   "tokenizer_config.json)"  # fmt: skip
+
+
+def test_the_slurm_launcher_without_slurm_here_is_one_line_and_submits_nothing(tmp_path, path_without_slurm):
+    # before: submitit's traceback ('Could not detect "srun", are you indeed on a slurm cluster?'), exit code 1
+    cmd = [sys.executable, "-m", "hpcrl.main", "-m", "hydra/launcher=submitit_slurm", f"run.root={tmp_path}"]
+    env = {**os.environ, "PATH": path_without_slurm, "HYDRA_FULL_ERROR": "0"}
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    line, hint = user_error(result)
+    assert line == (
+        "hpcrl: hydra/launcher=submitit_slurm submits the controller as a Slurm job, but sbatch and srun are not on "
+        "PATH here: nothing was submitted"
+    )
+    assert "run.dry_run=true" in hint
+    assert list(tmp_path.iterdir()) == []

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from hpcrl.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A config value is wrong; raised before anything is started or submitted."""
+
+    label = "config error"
 
     def __init__(self, path: str, value: Any, expected: str):
         self.path, self.value, self.expected = path, value, expected

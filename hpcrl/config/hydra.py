@@ -23,7 +23,9 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from hpcrl.config.checks import validate
 from hpcrl.config.errors import ConfigError
+from hpcrl.config.launcher import check_slurm_here
 from hpcrl.config.schema import Config
+from hpcrl.errors import UserError, exit_on_user_error
 
 SCHEMA_NAME = "hpcrl_schema"
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # the Hydra config groups, shipped in the package
@@ -175,6 +177,8 @@ class ValidateBeforeLaunch(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
             self._check(config)
+        except UserError as e:  # e.g. no Slurm here for the Slurm launcher: one line, exit 2
+            exit_on_user_error(e)
         except Exception:  # Hydra would warn and launch the sweep unchecked (or submit a dry run): end here
             with contextlib.suppress(OSError):  # stdout or stderr closed (a pipe) is one such exception
                 traceback.print_exc()
@@ -188,6 +192,7 @@ class ValidateBeforeLaunch(Callback):
         if any(job.cfg.run.dry_run for job in jobs):
             print_dry_run(config, jobs)
             sys.exit(0)
+        check_slurm_here(str(config.hydra.launcher.get("_target_", "")))
         sweep = Path(str(config.hydra.sweep.dir)).absolute()
         print(
             f"hpcrl: each job of this sweep runs in {sweep}/<job number>/ (0 for a single job); follow it in "

@@ -15,7 +15,10 @@ since Hydra 1.1, which warned three times on every submitit call (once per compo
 
 from __future__ import annotations
 
+import shutil
 from typing import Any
+
+from hpcrl.errors import UserError
 
 GROUP, NAME = "hydra/launcher", "submitit_slurm"
 
@@ -54,3 +57,19 @@ def register_launcher() -> None:
     Plugins.instance()
     node = OmegaConf.merge(OmegaConf.structured(SlurmQueueConf), SETTINGS)
     ConfigStore.instance().store(group=GROUP, name=NAME, node=node, provider="hpcrl")
+
+
+def check_slurm_here(target: str) -> None:
+    """Before a launcher with ``_target_`` ``target`` submits: a ``UserError`` when it is submitit's Slurm launcher
+    and this machine lacks sbatch or srun (submitit calls both as it starts), so that no traceback of submitit's
+    says it."""
+    if not target.endswith(".SlurmLauncher"):
+        return
+    missing = [command for command in ("sbatch", "srun") if shutil.which(command) is None]
+    if missing:
+        raise UserError(
+            f"hydra/launcher={NAME} submits the controller as a Slurm job, but {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not on PATH here: nothing was submitted",
+            "run it on a login node of the cluster (python -m hpcrl.doctor checks one), or add run.dry_run=true to "
+            "see what it would submit",
+        )

@@ -37,6 +37,7 @@ import datasets
 from datasets import Dataset
 
 from hpcrl.data.mod10 import FEATURES
+from hpcrl.errors import UserError
 
 CHAT_FEATURES = datasets.Features({**FEATURES, "messages": datasets.Value("string")})
 
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # extension -> datasets builder
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Bad dataset input; the message names the file, the row and the column."""
 
 

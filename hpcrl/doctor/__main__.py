@@ -12,10 +12,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from hpcrl.config.errors import ConfigError
-from hpcrl.config.hydra import exit_on_config_error
 from hpcrl.doctor.checks import Options, load_config, run_checks
 from hpcrl.doctor.report import exit_code
+from hpcrl.errors import UserError, exit_on_user_error
 from hpcrl.launch.process import ChildGroup
 from hpcrl.logs import setup_logging
 
@@ -48,8 +47,8 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("doctor", 0, "WARNING")  # hpcrl's own warnings (e.g. about the port range), as a run logs them
     try:
         cfg = load_config(args.overrides, args.config_dir)
-    except ConfigError as e:
-        exit_on_config_error(e)
+    except UserError as e:  # a bad config: hpcrl.main's one line, exit 2
+        exit_on_user_error(e)
     results = []
     # SIGTERM and Ctrl-C become exceptions, so the probe jobs are cancelled on the way out
     try:

@@ -14,17 +14,29 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hpcrl.errors import UserError
+
 EXACT_CLASS = "PreTrainedTokenizerFast"  # what tiny.py writes into tokenizer_config.json
 
 
 def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer saved in ``path``; a ``UserError`` naming the directory and transformers' reason when its files
+    do not load (a ``tokenizer.json`` that is no tokenizer, a config that names no known class)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    config = Path(path) / "tokenizer_config.json"
-    saved_class = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
-    if saved_class == EXACT_CLASS:
-        return PreTrainedTokenizerFast.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        config = Path(path) / "tokenizer_config.json"
+        saved_class = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+        if saved_class == EXACT_CLASS:
+            return PreTrainedTokenizerFast.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # what transformers raises for files it cannot read varies (KeyError, OSError, ...)
+        reason = " ".join(f"{type(e).__name__}: {e}".split())
+        raise UserError(
+            f"the tokenizer in {path} does not load ({reason})",
+            hint="a model directory needs its tokenizer's files as save_pretrained wrote them (tokenizer.json, "
+            "tokenizer_config.json)",
+        ) from e
 
 
 def mark_exact(path: str | Path) -> None:

@@ -46,13 +46,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hpcrl.errors import UserError
+
 RewardFn = Callable[..., Any]
 
 EXAMPLE = "hpcrl.reward.builtin:mod10"
 OWN_NAMES = ("prompt", "completion", "answer")  # what hpcrl passes; every other name is a column of the row
 
 
-class RewardSpecError(ValueError):
+class RewardSpecError(UserError, ValueError):
     """A reward spec cannot be resolved; the message names the spec and what failed."""
 
 

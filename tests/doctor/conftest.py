@@ -52,12 +52,3 @@ def weights(tmp_path):
     (model / "config.json").write_text("{}")
     (model / "tokenizer.json").write_text("{}")
     return model
-
-
-SLURM_COMMANDS = ("sbatch", "squeue", "scancel", "sinfo", "sacct", "srun", "scontrol")
-
-
-def path_without_slurm() -> str:
-    """This PATH less every directory that holds a Slurm command: a machine without Slurm, whatever runs here."""
-    dirs = os.environ.get("PATH", "").split(os.pathsep)
-    return os.pathsep.join(d for d in dirs if not any(os.path.exists(os.path.join(d, c)) for c in SLURM_COMMANDS))

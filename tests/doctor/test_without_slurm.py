@@ -4,14 +4,14 @@ check it can make runs, and nothing is submitted."""
 import os
 import stat
 
-from tests.doctor.conftest import path_without_slurm, run_doctor
+from tests.doctor.conftest import run_doctor
 
 LOCAL_CHECKS = ["config", "run root", "address", "ports", "setup timeout"]
 
 
-def test_without_slurm_every_other_check_runs_and_slurm_is_one_failed_line(tmp_path):
+def test_without_slurm_every_other_check_runs_and_slurm_is_one_failed_line(tmp_path, path_without_slurm):
     # before: a FileNotFoundError traceback for 'sbatch' after the sbatch lines, and no line for what followed
-    doctor = run_doctor("cluster=slurm", f"run.root={tmp_path}", env={"PATH": path_without_slurm()})
+    doctor = run_doctor("cluster=slurm", f"run.root={tmp_path}", env={"PATH": path_without_slurm})
     assert doctor.returncode == 1, doctor.stdout + doctor.stderr
     assert "Traceback" not in doctor.stderr, doctor.stderr
     assert list(doctor.lines) == [*LOCAL_CHECKS, "slurm", "gpu"], doctor.stdout
@@ -41,10 +41,10 @@ def fake_slurm(bin_dir, calls) -> None:
         path.chmod(path.stat().st_mode | stat.S_IXUSR)
 
 
-def test_no_jobs_makes_every_check_but_the_probe_jobs_and_submits_nothing(tmp_path):
+def test_no_jobs_makes_every_check_but_the_probe_jobs_and_submits_nothing(tmp_path, path_without_slurm):
     calls = tmp_path / "calls"
     fake_slurm(tmp_path / "bin", calls)
-    path = f"{tmp_path / 'bin'}{os.pathsep}{path_without_slurm()}"
+    path = f"{tmp_path / 'bin'}{os.pathsep}{path_without_slurm}"
     doctor = run_doctor("cluster=slurm", "algorithm=ppo", f"run.root={tmp_path}/runs", "--no-jobs", env={"PATH": path})
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
     sbatch = ["sbatch server", "sbatch trainer", "sbatch critic", "sbatch hetjob", "sbatch controller"]

@@ -4,6 +4,7 @@
 ``/generate``, the calculator's result sent back where the model called it."""
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ from hpcrl.rollout.agents.evaluate import DEFAULT_AGENT, DEFAULT_REWARD, parse_a
 from hpcrl.rollout.agents.mod10 import calculator_agent
 from hpcrl.rollout.workflows.agent import AgentWorkflow
 from tests.config.compose import load
-from tests.conftest import REPO
+from tests.conftest import REPO, user_error
 from tests.rollout.test_multi_turn import Recording, resumed_event, run
 
 ROWS = 100  # held-out rows of the default task (run.seed 0): enough that the calculator's result decides some
@@ -134,3 +135,32 @@ def test_a_run_directory_gives_the_agent_reward_rows_and_sampling_of_the_runs_ow
         5,
         {"temperature": 0.0, "max_tokens": 4},
     )
+
+
+def evaluate_cli(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "hpcrl.rollout.agents.evaluate", "--eval-size", "3", *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_no_server_at_the_url_is_one_line_with_how_to_start_one():
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    # before: 109 lines of openai's and httpx's tracebacks, and no word of a server to start
+    line, hint = user_error(evaluate_cli("--base-url", url))
+    assert line == f"hpcrl: no server answers at {url} (All connection attempts failed)"
+    assert hint.strip().startswith("start one, e.g. python -m hpcrl.inference.server --model-path RUN_DIR/final")
+
+
+def test_a_url_that_is_not_the_servers_openai_api_is_one_line(agent_server):
+    line, hint = user_error(evaluate_cli("--base-url", agent_server.url))  # without /v1
+    assert line == (
+        f"hpcrl: the server at {agent_server.url} has no OpenAI API there (404 Not Found): --base-url is the API's "
+        "base, e.g. http://HOST:PORT/v1"
+    )
+    assert "--base-url http://127.0.0.1:30000/v1" in hint
+
+
+def test_a_run_directory_without_a_config_is_one_line(tmp_path):
+    (line,) = user_error(evaluate_cli("--base-url", "http://127.0.0.1:1/v1", "--run-dir", str(tmp_path)))
+    assert line.startswith(f"hpcrl: config error: {tmp_path}/config.yaml='<file>' is invalid: expected a readable")

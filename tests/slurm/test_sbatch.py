@@ -35,7 +35,7 @@ from hpcrl.launch.slurm.resources import role_resources
 from hpcrl.launch.slurm.scripts import controller_resources
 from hpcrl.launch.slurm.steps import AllocationMismatch, check_het_allocation
 from hpcrl.sbatch import render
-from tests.conftest import CONF_DIR, REPO
+from tests.conftest import CONF_DIR, REPO, user_error
 from tests.slurm.conftest import sacct, wait_for_job
 from tests.slurm.test_job_on_slurm import check_addresses, check_critic, check_group_on_trainer_node
 
@@ -44,10 +44,11 @@ TINY_JOB = ["run.max_steps=3", "eval.stop_at_accuracy=0", "rollout.prompts_per_s
 SUMMARY_KEYS = {"steps", "wall_s", "eval_accuracy_before", "eval_accuracy_after", "run_dir"}
 
 
-def sbatch_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def sbatch_cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "hpcrl.sbatch", *args], cwd=cwd, capture_output=True, text=True, timeout=120
-    )
+        [sys.executable, "-m", "hpcrl.sbatch", *args], cwd=cwd, capture_output=True, text=True, timeout=120,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
 
 
 def options(script: str) -> list[dict[str, str]]:
@@ -226,6 +227,15 @@ def test_a_bad_config_exits_2_before_anything_is_written(tmp_path):
     assert "rollout.temperature" in result.stderr and "0" in result.stderr, result.stderr
     result = sbatch_cli("controller", "cluster=local", cwd=tmp_path)
     assert result.returncode == 2 and "cluster.kind" in result.stderr, result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_without_sbatch_here_submitting_is_one_line_and_writes_no_script(tmp_path, path_without_slurm):
+    # before: a FileNotFoundError traceback, after the script was written into the working directory
+    result = sbatch_cli("controller", "cluster=slurm_local", cwd=tmp_path, env={"PATH": path_without_slurm})
+    line, hint = user_error(result)
+    assert line == "hpcrl: sbatch is not on PATH here, so nothing was written or submitted"
+    assert hint.strip().startswith("run this where Slurm's commands are (a login node of the cluster)")
     assert list(tmp_path.iterdir()) == []
 
 

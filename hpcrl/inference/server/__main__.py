@@ -7,6 +7,7 @@ import logging
 import os
 
 from hpcrl.cores import usable_cores
+from hpcrl.errors import UserError, exit_on_user_error
 from hpcrl.inference.openai.chat import TOOL_PARSERS, resolve_template
 from hpcrl.logs import setup_logging
 
@@ -62,6 +63,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     setup_logging("server", args.rank)
+    try:
+        serve(args)
+    except UserError as e:  # a model directory that is not there, or whose tokenizer does not load: one line, exit 2
+        exit_on_user_error(e)
+
+
+def serve(args: argparse.Namespace) -> None:
+    if not os.path.isdir(args.model_path):
+        raise UserError(
+            f"--model-path {args.model_path} is not a directory",
+            "give a local Hugging Face model directory (config.json, tokenizer files, *.safetensors), e.g. a run's "
+            "RUN_DIR/final; nothing is downloaded",
+        )
     from aiohttp import web
 
     from hpcrl.gc_freeze import freeze_startup_heap

@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hpcrl.errors import UserError, exit_on_user_error
+
 DEFAULT_AGENT = "hpcrl.rollout.agents.mod10:calculator_agent"
 DEFAULT_REWARD = "hpcrl.reward.builtin:mod10"
 
@@ -40,6 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=None, help="max_tokens of every request (default: the run's, 1)")
     p.add_argument("--concurrency", type=int, default=64, help="episodes at once")
     p.add_argument("--model", default="default", help="the model name requests carry")
+    p.add_argument("--verbose", action="store_true", help="a traceback for errors of the input too (a bad --run-dir)")
     return p.parse_args(argv)
 
 
@@ -107,12 +110,37 @@ async def evaluate(
                 final = await episode(ctx)
             return to_reward(final) if final is not None else (given[-1] if given else 0.0)
 
-        rewards = await asyncio.gather(*(one(r) for r in rows))
+        try:
+            rewards = await asyncio.gather(*(one(r) for r in rows))
+        except (openai.APIConnectionError, openai.NotFoundError) as e:  # no server there, or not its OpenAI API
+            raise server_error(base_url, e) from e
     return statistics.fmean(rewards) if rewards else 0.0
 
 
+def server_error(base_url: str, e: Exception) -> UserError:
+    """The one line for a server that does not answer at ``base_url``, or answers 404 (a URL that is not its OpenAI
+    API), with how to start one."""
+    hint = (
+        "start one, e.g. python -m hpcrl.inference.server --model-path RUN_DIR/final --port 30000 (docs/agents.md), "
+        "then --base-url http://127.0.0.1:30000/v1"
+    )
+    if getattr(e, "status_code", None) == 404:
+        found = f"the server at {base_url} has no OpenAI API there (404 Not Found)"
+        return UserError(f"{found}: --base-url is the API's base, e.g. http://HOST:PORT/v1", hint)
+    cause = f"{e.__cause__}" if e.__cause__ else str(e)
+    return UserError(f"no server answers at {base_url} ({' '.join(cause.split())})", hint)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The entry point: a mistake in the input or no server is one line (and a hint), exit code 2."""
     args = parse_args(argv)
+    try:
+        return evaluate_and_print(args)
+    except UserError as e:  # a run directory without a config, an agent that does not import, no server
+        exit_on_user_error(e, args.verbose)
+
+
+def evaluate_and_print(args: argparse.Namespace) -> int:
     agent, reward, rows, sampling = settings(args)
     accuracy = asyncio.run(
         evaluate(agent, reward, rows, args.base_url, sampling, model=args.model, concurrency=args.concurrency)

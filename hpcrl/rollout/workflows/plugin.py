@@ -12,13 +12,14 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from hpcrl.errors import UserError
 from hpcrl.reward.registry import import_named
 from hpcrl.rollout.workflows.base import EpisodeFn
 
 EXAMPLE = "hpcrl.rollout.agents.mod10:calculator_agent"
 
 
-class WorkflowSpecError(ValueError):
+class WorkflowSpecError(UserError, ValueError):
     """A plug-in workflow cannot be resolved; the message names the spec and what failed."""
 
 
