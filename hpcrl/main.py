@@ -39,7 +39,7 @@ from hpcrl.config.overrides import (
     imply_group_options,
     launcher_option,
 )
-from hpcrl.config.preflight import warn_tiny_task_settings
+from hpcrl.config.preflight import data_line, warn_tiny_task_settings
 from hpcrl.config.resume import Resume, applied, check_start
 from hpcrl.config.schema import Config
 from hpcrl.controller.preempt import restarted_by_slurm
@@ -78,6 +78,7 @@ def run(dcfg: DictConfig) -> None:
     )
     if cfg.run.dry_run:
         print(dump_config(cfg), end="")
+        log.info("%s", data_line(cfg))  # the split the run would load
         where = f"written to {written}" if written else f"not written: {run_dir.config_file} stays the run's config"
         log.info("run.dry_run=true: the config is valid and %s; nothing was started", where)
         return

@@ -49,6 +49,7 @@ def test_the_installed_package_runs_from_another_directory(wheel, tmp_path):
     )  # fmt: skip
     assert where.stdout.strip() == str(target / "hpcrl" / "__init__.py")
     args = ["experiment=gsm8k", "dataset.train_files=[t.jsonl]", "run.dry_run=true", f"run.root={tmp_path / 'runs'}"]
+    args += ["dataset.eval_files=[t.jsonl]", "rollout.max_new_tokens=64"]  # the preflight: the tiny model's context
     (elsewhere / "t.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')
     result = subprocess.run(
         [sys.executable, "-m", "hpcrl.main", *args], cwd=elsewhere, env=env, capture_output=True, text=True,

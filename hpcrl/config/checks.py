@@ -285,6 +285,7 @@ def check_dataset(d: DatasetConfig) -> DatasetConfig:
     one_of("dataset.chat_template", str(d.chat_template).lower(), CHAT_TEMPLATE)
     require(d.train_size >= 1, "dataset.train_size", d.train_size, "an integer >= 1")
     require(d.eval_size >= 1, "dataset.eval_size", d.eval_size, "an integer >= 1")
+    require(d.holdout >= 1, "dataset.holdout", d.holdout, "an integer >= 1 (rows held out; or set dataset.eval_files)")
     return replace(d, chat_template=str(d.chat_template).lower())
 
 
@@ -433,9 +434,21 @@ def check_server_restart(cfg: Config) -> None:
 
 
 def check_reward(r: RewardConfig) -> None:
-    module, sep, name = r.fn.partition(":")
-    ok = bool(sep) and all(part.isidentifier() for part in [*module.split("."), name])
-    require(ok, "reward.fn", r.fn, "'package.module:function', importable in every process")
+    specs = [r.fn] if isinstance(r.fn, str) else r.fn
+    expected = "'package.module:function', importable in every process, or a non-empty list of them"
+    require(isinstance(specs, list) and bool(specs), "reward.fn", r.fn, expected)
+    for spec in specs:
+        module, sep, name = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+        ok = bool(sep) and all(part.isidentifier() for part in [*module.split("."), name])
+        require(ok, "reward.fn", r.fn, expected)
+    names = [spec.partition(":")[2] for spec in specs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    why = "functions of distinct names: each one's part is logged as reward/<name>, and two are called"
+    require(not twice, "reward.fn", r.fn, f"{why} {', '.join(twice)}")
+    if r.weights:
+        expected = f"one number per function of reward.fn (a list of {len(specs)}), or [] for 1 each"
+        require(isinstance(r.fn, list) and len(r.weights) == len(specs), "reward.weights", r.weights, expected)
+        require(all(math.isfinite(w) for w in r.weights), "reward.weights", r.weights, "finite numbers")
     require(r.timeout_s > 0, "reward.timeout_s", r.timeout_s, "seconds > 0")
     one_of("reward.on_error", r.on_error, ("drop", "zero", "fail"))
     require(r.workers >= 1, "reward.workers", r.workers, "an integer >= 1")

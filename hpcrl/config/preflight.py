@@ -4,7 +4,16 @@
     dataset files       dataset.train_files and dataset.eval_files exist, as .jsonl, .json or .parquet files
     metrics.loggers     wandb is installed when it is named
     workflow            a plug-in's .jinja chat template exists
+    reward.fn           every function imports, as each reward process imports it (workflow.verifier too)
+    dataset columns     every file has the columns the config and the reward functions name (read cheaply:
+                        ``hpcrl.data.files.peek``), and dataset.holdout leaves a batch of training rows
+    max_new_tokens      fits the model's context with a prompt of one token (its config.json, or the size the
+                        tiny model is made with), unless inference.context_overflow=truncate shortens it
     tiny-task settings  a warning naming each of the default job's settings left in force with a local model
+
+Each check raises what the run itself would meet seconds later, from the same function (``RewardFns.resolve``,
+``check_columns``, ``holdout_problem``, the client's ``context.fit``), so the dry run, the doctor and the run
+fail with one line, the same one, before anything starts.
 
 ``checks.validate`` is not the place: every worker validates the run's config.yaml on its own node, where
 the controller's relative paths may not resolve and the data files are never read. ``hpcrl.main`` (the dry
@@ -16,12 +25,16 @@ from __future__ import annotations
 import importlib.util
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import Config
+from hpcrl.reward.registry import RewardFns, RewardSpecError, resolve_reward
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")  # any one
@@ -52,6 +65,106 @@ def preflight(cfg: Config) -> None:
     if "wandb" in cfg.metrics.loggers and importlib.util.find_spec("wandb") is None:
         expected = "a list without wandb, or wandb installed: pip install 'hpcrl[wandb]'"
         raise ConfigError("metrics.loggers", cfg.metrics.loggers, expected)
+    check_data(cfg, check_rewards(cfg))
+    check_context(cfg)
+
+
+def check_rewards(cfg: Config) -> RewardFns:
+    """reward.fn (and best_of_n's workflow.verifier) imported here as every reward process imports it."""
+    try:
+        rewards = RewardFns.resolve(cfg.reward.fn, cfg.reward.weights)
+    except RewardSpecError as e:
+        raise ConfigError("reward.fn", cfg.reward.fn, f"functions every reward process can import: {e}") from e
+    verifier = cfg.workflow.verifier
+    if cfg.workflow.name == "best_of_n" and verifier:
+        try:
+            resolve_reward(verifier)
+        except RewardSpecError as e:
+            raise ConfigError("workflow.verifier", verifier, f"a function every reward process can import: {e}") from e
+    return rewards
+
+
+def check_data(cfg: Config, rewards: RewardFns) -> tuple[int, int]:
+    """Every data file has the columns the config and ``rewards`` name, and dataset.holdout leaves a batch of
+    training rows: the errors ``hpcrl.data.load_splits`` would raise, from a cheap look at each file (``peek``).
+    Returns how many rows train and how many are held out."""
+    from hpcrl.data import MOD10, holdout_problem  # here: datasets takes a second to import
+    from hpcrl.data.files import check_columns, peek, wanted_columns
+    from hpcrl.data.mod10 import FEATURES
+
+    d = cfg.dataset
+    needs = rewards.needs()
+    if d.name == "mod10":
+        _as_config_error("reward.fn", cfg.reward.fn, check_columns, MOD10, list(FEATURES), needs, "its rows hold")
+        return d.train_size, d.eval_size
+    wanted = wanted_columns(d.prompt_column, d.answer_column, d.prompt_template, needs)
+    rows = {"train_files": 0, "eval_files": 0}
+    for key in rows:
+        for file in getattr(d, key):
+            shape = _as_config_error(f"dataset.{key}", getattr(d, key), peek, file)
+            _as_config_error(f"dataset.{key}", getattr(d, key), check_columns, file, shape.columns, wanted)
+            rows[key] += shape.rows or 0
+    if d.eval_files:
+        return rows["train_files"], rows["eval_files"]
+    problem = holdout_problem(rows["train_files"], d.holdout, cfg.rollout.prompts_per_step)
+    if problem:
+        raise ConfigError("dataset.holdout", d.holdout, problem)
+    return rows["train_files"] - d.holdout, d.holdout
+
+
+def data_line(cfg: Config) -> str:
+    """The line a run logs as it loads its data (``hpcrl.data.split_line``: rows to train on, rows held out, from
+    where), for a config ``preflight`` passed: what a dry run shows of the data."""
+    from hpcrl.data import split_line
+
+    return split_line(cfg.dataset, *check_data(cfg, check_rewards(cfg)))
+
+
+def _as_config_error(key: str, value: object, check: Callable[..., T], *args: object) -> T:
+    """``check(*args)``, its DataError as a ConfigError naming ``key`` (its text kept whole)."""
+    from hpcrl.data.files import DataError
+
+    try:
+        return check(*args)
+    except DataError as e:
+        raise ConfigError(key, value, f"data that has what the config names: {e}") from e
+
+
+def check_context(cfg: Config) -> None:
+    """rollout.max_new_tokens fits the model's context with the shortest prompt, one token: else SGLang refuses every
+    request (``context.fit``), which a run finds at its first evaluation. inference.context_overflow=truncate
+    shortens max_new_tokens to what each prompt leaves, so it passes."""
+    from hpcrl.inference.context import fit
+
+    if cfg.inference.context_overflow != "drop":
+        return
+    context, where = model_context(cfg)
+    new_tokens = cfg.rollout.max_new_tokens
+    if fit(1, new_tokens, context):
+        raise ConfigError(
+            "rollout.max_new_tokens",
+            new_tokens,
+            f"at most {context - 1}: the model's context is {context} tokens ({where}), which must hold a request's "
+            f"prompt (a token at least) and its max_new_tokens, or SGLang refuses the request (HTTP 400): with "
+            f"{new_tokens} it refuses every one; or inference.context_overflow=truncate, which cuts max_new_tokens "
+            "to what each prompt leaves",
+        )
+
+
+def model_context(cfg: Config) -> tuple[int, str]:
+    """The context the servers will have, as the run's client reads it (``client_options``), and where it is from:
+    model.path's config.json, or for the tiny model the size it is made with; SGLang's --context-length first."""
+    from hpcrl.inference.sglang_args import launch_args, served_context
+    from hpcrl.models.tiny import MAX_POSITIONS
+
+    extra = cfg.inference.extra_args if cfg.allocation.server.backend == "sglang" else ()
+    launch = launch_args(extra)
+    given = "--context-length in inference.extra_args" if launch.context_length is not None else ""
+    if cfg.model.source == "local":
+        path = Path(cfg.model.path).expanduser().absolute()
+        return served_context(path, extra), given or str(path / CONFIG_FILE)
+    made = f"the tiny model is made with max_position_embeddings={MAX_POSITIONS}"
+    return (launch.context_length or MAX_POSITIONS) - launch.reserved_tokens, given or made
 
 
 def check_model_dir(path: str) -> None:

@@ -9,6 +9,7 @@ unit or meaning; ``docs`` tooling reads these comments.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 SERVER_BACKENDS = ("cpu", "sglang")
 TRAINER_BACKENDS = ("fsdp",)
@@ -181,7 +182,8 @@ class DatasetConfig:
     prompt_template: str = "{prompt}"  # Python format string applied to each row's string prompt
     chat_template: str = "auto"  # the tokenizer's chat template on string prompts: true | false | auto (if it has one)
     train_size: int = 2000  # rows made for a synthetic training set
-    eval_size: int = 200  # rows made for a synthetic held-out set
+    eval_size: int = 200  # mod10: rows made for its held-out set (files: dataset.holdout or dataset.eval_files)
+    holdout: int = 200  # files without eval_files: rows of train_files held out for evaluation (drawn with run.seed)
 
 
 @dataclass
@@ -229,7 +231,8 @@ class WorkflowConfig:
 
 @dataclass
 class RewardConfig:
-    fn: str = "hpcrl.reward.builtin:mod10"  # "module:function" imported in each reward process (never pickled)
+    fn: Any = "hpcrl.reward.builtin:mod10"  # "module:function" imported in each reward process; a list: weighted sum
+    weights: list[float] = field(default_factory=list)  # reward.fn as a list: each function's weight; [] = 1 each
     timeout_s: float = 10.0  # seconds one reward call may take before it counts as failed
     on_error: str = "drop"  # a reward that raises or times out: drop its group | zero (score 0) | fail the run
     workers: int = 2  # reward processes (none for a function marked @in_process, such as the builtin mod10)

@@ -55,7 +55,9 @@ def _advantages(groups: list[Group], cfg: AlgorithmConfig) -> list[list[float]]:
 
 
 def rollout_stats(groups: list[Group], trainer_version: int) -> dict[str, float]:
-    """Reward and length statistics of a batch, and how stale its tokens are for this train step."""
+    """Reward and length statistics of a batch, and how stale its tokens are for this train step. With reward.fn a
+    list, ``reward/<name>`` is the batch's mean of each function's own value (``reward_mean`` is of their weighted
+    sum), over the samples scored with parts (one scored 0 under reward.on_error=zero has none)."""
     rewards = [s.reward for g in groups for s in g.samples]
     lengths = [len(s.output_ids) for g in groups for s in g.samples]
     versions = [v for g in groups for s in g.samples for v in s.versions if v >= 0]  # sampled tokens only
@@ -63,8 +65,13 @@ def rollout_stats(groups: list[Group], trainer_version: int) -> dict[str, float]
     counted = Counter[str]()  # what workflows counted (a plug-in's completions, joined turns, tool calls), per batch
     for g in groups:
         counted.update(g.counts)
+    parts: dict[str, list[float]] = {}
+    for sample in (s for g in groups for s in g.samples):
+        for name, value in (sample.reward_parts or {}).items():
+            parts.setdefault(f"reward/{name}", []).append(value)
     return {
         **counted,
+        **{key: statistics.fmean(values) for key, values in parts.items()},
         "reward_mean": statistics.fmean(rewards),
         "reward_std": statistics.pstdev(rewards),
         "completion_len_mean": statistics.fmean(lengths),

@@ -12,26 +12,28 @@ from hpcrl.rollout.workflows.scaffold import Controller, Episode
 
 
 async def greedy_accuracy(
-    client: InferenceClient, tokenizer: Any, rows: list[dict[str, str]], rewards: Any, max_new_tokens: int
+    client: InferenceClient, tokenizer: Any, rows: list[dict[str, Any]], rewards: Any, max_new_tokens: int
 ) -> float:
     """Mean reward of greedy completions (for 0/1 rewards: the fraction answered correctly)."""
     params = {"max_new_tokens": max_new_tokens, "temperature": 0.0}
 
-    async def one(row: dict[str, str]) -> str:
+    async def one(row: dict[str, Any]) -> str:
         ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
         result = await client.generate(ids, params, return_logprob=False)
         return tokenizer.decode(result.output_ids, skip_special_tokens=True)
 
     completions = await asyncio.gather(*(one(r) for r in rows))
-    outcomes = await rewards.score([(r["prompt"], c, r["answer"]) for r, c in zip(rows, completions, strict=True)])
+    outcomes = await rewards.score(
+        [(r["prompt"], c, r["answer"], r.get("columns") or {}) for r, c in zip(rows, completions, strict=True)]
+    )
     return statistics.fmean(o.value if o.value is not None else 0.0 for o in outcomes)
 
 
 async def controller_accuracy(
-    controller: Controller, tokenizer: Any, rows: list[dict[str, str]], rewards: Any
+    controller: Controller, tokenizer: Any, rows: list[dict[str, Any]], rewards: Any
 ) -> float:
     """Mean reward of the answers a scaffolding controller chooses (with its own sampling parameters)."""
-    episodes = [Episode.of(r["prompt"], r["answer"], tokenizer) for r in rows]
+    episodes = [Episode.of(r["prompt"], r["answer"], tokenizer, columns=r.get("columns")) for r in rows]
     results = await asyncio.gather(*(controller.run(e) for e in episodes))
-    outcomes = await rewards.score([(e.prompt, r.text, e.answer) for e, r in zip(episodes, results, strict=True)])
+    outcomes = await rewards.score([e.scored(r.text) for e, r in zip(episodes, results, strict=True)])
     return statistics.fmean(o.value if o.value is not None else 0.0 for o in outcomes)

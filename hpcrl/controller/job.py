@@ -46,6 +46,7 @@ from hpcrl.launch.local import LocalScheduler
 from hpcrl.launch.registry import Entry, Registry
 from hpcrl.launch.slots import PortSlots
 from hpcrl.reward.pool import RewardPool
+from hpcrl.reward.registry import RewardFns
 from hpcrl.rollout.proxy.server import loopback
 from hpcrl.rollout.workflows.plugin import is_plugin
 from hpcrl.rollout.workflows.plugin import resolve as resolve_workflow
@@ -56,12 +57,13 @@ log = logging.getLogger(__name__)
 
 
 def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None) -> dict[str, Any]:
-    from hpcrl.data import load_splits
+    from hpcrl.data import decode_columns, load_splits
 
     if is_plugin(cfg.workflow.name):  # imported here first: one that does not import fails before anything starts
         resolve_workflow(cfg.workflow.name)
-    train, held_out = load_splits(cfg.dataset, cfg.run.seed)
-    train_rows, eval_rows = prepare_rows(cfg, list(train), list(held_out))
+    rewards = RewardFns.resolve(cfg.reward.fn, cfg.reward.weights)  # the columns its functions take go with each row
+    train, held_out = load_splits(cfg.dataset, cfg.run.seed, batch=cfg.rollout.prompts_per_step, rewards=rewards)
+    train_rows, eval_rows = prepare_rows(cfg, list(map(decode_columns, train)), list(map(decode_columns, held_out)))
     model_path = prepare_model(cfg, run_dir, train_rows + eval_rows)
     if str(model_path) != cfg.model.path:  # a new run's (a resume's is resolved): workers read where the model is
         cfg = replace(cfg, model=replace(cfg.model, path=str(model_path)))
@@ -88,7 +90,7 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
 
     with (
         make_scheduler(cfg, run_dir, slots) as scheduler,
-        RewardPool(cfg.reward.fn, cfg.reward.workers, cfg.reward.timeout_s) as rewards,
+        RewardPool.for_config(cfg.reward) as reward_pool,
         # renews every worker's lease from the moment it registers, and notices one it can no longer reach
         LeaseKeeper(registry, [spec.role for spec in specs], controller, token, lease_s, mark_lost),
     ):
@@ -111,7 +113,7 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
             if critics is not None:
                 critics.check_alive()
 
-        workers = Workers(None, None, rewards, check_alive, servers=pool)  # client and trainers are opened below
+        workers = Workers(None, None, reward_pool, check_alive, servers=pool)  # client and trainers are opened below
         if is_plugin(cfg.workflow.name):  # its proxy, for episodes and evaluation here: a port of the controller's slot
             workers.proxy_host = loopback(worker_addresses(cfg.cluster.net)[0])
             workers.proxy_ports = slots.allocator(slots.controller, port_range(cfg.cluster.net))

@@ -334,7 +334,9 @@ class Loop:
             episode = self._remote_episode
         else:
             workflow = self.workflow()
-            episode = lambda row: workflow.run(row["prompt"], row["answer"], seed=self._seed(row))  # noqa: E731
+            episode = lambda row: workflow.run(  # noqa: E731
+                row["prompt"], row["answer"], seed=self._seed(row), columns=row.get("columns")
+            )
         return RolloutExecutor(
             episode,
             self.rows,

@@ -9,6 +9,16 @@ path that is not an existing file is an error, never a dataset name looked up on
 becomes ``{"prompt": prompt_template.format(**row, prompt=<prompt column>), "answer": <answer column>}``,
 so the template may use any column of the row; ``{prompt}`` is always the prompt column.
 
+The reward functions may take columns of the row by name (``hpcrl.reward.registry``): the columns they take
+(``takes``; None: every column, for a function with ``**kwargs``) go with each row, as the JSON text of an object
+in a ``columns`` column (``decode_columns`` makes it a dict again); a column one of them needs (``needs``: a
+parameter without a default) that a file lacks is an error, as the prompt's and the answer's are. A value that
+is not JSON (bytes, a date in a parquet file) in a column the rewards take is an error naming it.
+
+``peek`` reads a file's columns and row count cheaply (a parquet file's metadata, a JSON-lines file's first line
+and its count of lines) for the checks before a run (``hpcrl.config.preflight``); ``check_columns`` is the one
+check of a file's columns, which ``load_rows`` makes too.
+
 A prompt may also be a conversation, a list of ``{"role": ..., "content": ...}`` messages (chat format): such
 a row's messages go, as JSON text, in a ``messages`` column (``""`` for the string prompts beside them), and
 ``hpcrl.data.chat.render_prompts`` turns them into the prompt text with the tokenizer's chat template, once the
@@ -29,7 +39,8 @@ import json
 import logging
 import math
 import string
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +50,7 @@ from datasets import Dataset
 from hpcrl.data.mod10 import FEATURES
 from hpcrl.errors import UserError
 
-CHAT_FEATURES = datasets.Features({**FEATURES, "messages": datasets.Value("string")})
+COLUMNS = "columns"  # the row's columns the rewards take, as the JSON text of an object ("{}" when none)
 
 log = logging.getLogger(__name__)
 
@@ -56,27 +67,27 @@ def load_rows(
     answer_column: str = "answer",
     prompt_template: str = "{prompt}",
     cache_dir: str | None = None,  # where datasets keeps its Arrow cache; None = its default (HF_DATASETS_CACHE)
+    *,
+    takes: Sequence[str] | None = (),  # columns the rewards take, carried with each row; None: every column
+    needs: Mapping[str, str] | None = None,  # columns the rewards need -> what names them: a file must have them
 ) -> Dataset:
     """The rows of ``files``, in order, as ``{"prompt", "answer"}`` strings (and ``messages`` when some row is in chat
-    format); ``DataError`` for bad input."""
+    format, ``columns`` when the rewards take some); ``DataError`` for bad input."""
     kind = _check_files(files)
     fields = template_fields(prompt_template)
     prompts: list[str] = []
     answers: list[str] = []
     messages: list[str] = []  # JSON text of a chat-format row's messages, "" for a string prompt
+    carried: list[str] = []  # JSON text of the columns the rewards take
     for file in files:
         rows = _Rows(file, kind, cache_dir)
-        wanted = {prompt_column: "dataset.prompt_column", answer_column: "dataset.answer_column"}
-        for col, source in {**dict.fromkeys(sorted(fields - {"prompt"}), "dataset.prompt_template"), **wanted}.items():
-            if col not in rows.columns:
-                raise DataError(
-                    f"{file}: row 0: no column {col!r} (named by {source}); the file's columns are: "
-                    f"{', '.join(rows.columns)}"
-                )
-        for i, row in enumerate(rows.values([prompt_column, answer_column, *sorted(fields - {"prompt"})])):
+        check_columns(file, rows.columns, wanted_columns(prompt_column, answer_column, prompt_template, needs))
+        take = [c for c in rows.columns if takes is None or c in takes]
+        for i, row in enumerate(rows.values([prompt_column, answer_column, *sorted(fields - {"prompt"}), *take])):
             try:
                 prompt = _prompt(prompt_column, row[prompt_column])
                 answers.append(_answer(answer_column, row[answer_column]))
+                carried.append(_columns_json({c: row[c] for c in take}))
                 if isinstance(prompt, list):
                     prompts.append("")
                     messages.append(json.dumps(_template_last_user(prompt_template, prompt, row)))
@@ -85,9 +96,113 @@ def load_rows(
                     messages.append("")
             except _BadRow as e:
                 raise DataError(f"{rows.where(i)}: {e}") from e.__cause__
+    table, features = {"prompt": prompts, "answer": answers}, dict(FEATURES)
     if any(messages):
-        return Dataset.from_dict({"prompt": prompts, "answer": answers, "messages": messages}, features=CHAT_FEATURES)
-    return Dataset.from_dict({"prompt": prompts, "answer": answers}, features=FEATURES)
+        table["messages"], features["messages"] = messages, datasets.Value("string")
+    if takes is None or takes:
+        table[COLUMNS], features[COLUMNS] = carried, datasets.Value("string")
+    return Dataset.from_dict(table, features=datasets.Features(features))
+
+
+def wanted_columns(
+    prompt_column: str, answer_column: str, prompt_template: str, needs: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The columns every file must have, each with the setting that names it (``check_columns``)."""
+    fields = sorted(template_fields(prompt_template) - {"prompt"})
+    return {
+        **dict.fromkeys(fields, "dataset.prompt_template"),
+        prompt_column: "dataset.prompt_column",
+        answer_column: "dataset.answer_column",
+        **{c: source for c, source in (needs or {}).items() if c not in (prompt_column, answer_column)},
+    }
+
+
+def check_columns(
+    file: str, columns: Sequence[str], wanted: Mapping[str, str], holds: str = "the file's columns are"
+) -> None:
+    """``DataError`` naming the first column of ``wanted`` (column -> what names it) that ``columns`` lacks."""
+    for column, source in wanted.items():
+        if column not in columns:
+            raise DataError(f"{file}: row 0: no column {column!r} (named by {source}); {holds}: {', '.join(columns)}")
+
+
+def decode_columns(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A loaded row as the run uses it: its ``columns`` (JSON text in the dataset) as a dict."""
+    out = dict(row)
+    out[COLUMNS] = json.loads(row[COLUMNS]) if row.get(COLUMNS) else {}
+    return out
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What ``peek`` reads of a data file."""
+
+    columns: list[str]  # its columns (a JSON file's: the first row's keys)
+    rows: int | None  # its rows; None when not counted
+
+
+def peek(file: str, count: bool = True) -> Shape:
+    """A data file's columns and (with ``count``) its number of rows, read cheaply: a parquet file's metadata, a
+    JSON-lines file's first line and a count of its lines that are not blank, a JSON array parsed whole; a file
+    that is none of these (a JSON value over several lines, say) is loaded as ``load_rows`` loads it. Raises
+    ``DataError`` as ``load_rows`` would for a missing, empty or row-less file."""
+    kind = _check_files([file])
+    path = Path(file).expanduser()
+    if path.stat().st_size == 0:
+        raise DataError(f"{file}: the file is empty")
+    shape = _peek_parquet(path) if kind == "parquet" else _peek_json_lines(path, count) or _peek_json_array(file)
+    if shape is None:  # neither: what datasets makes of it
+        rows = _Rows(file, kind, None)
+        shape = Shape(rows.columns, len(rows))
+    if shape.rows == 0:
+        raise DataError(f"{file}: the file has no rows")
+    return shape
+
+
+def _peek_parquet(path: Path) -> Shape | None:
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(path)
+    except Exception:  # not parquet: load_rows says what datasets says
+        return None
+    return Shape(list(meta.schema_arrow.names), meta.metadata.num_rows)
+
+
+def _peek_json_lines(path: Path, count: bool) -> Shape | None:
+    with open(path, "rb") as f:
+        first = next((line for line in f if line.strip()), b"")
+        if first.lstrip().startswith(b"["):
+            return None
+        try:
+            record = json.loads(first)
+        except ValueError:
+            return None
+        if not isinstance(record, dict):
+            return None
+        rows = 1 + sum(1 for line in f if line.strip()) if count else None
+    return Shape(list(record), rows)
+
+
+def _peek_json_array(file: str) -> Shape | None:
+    try:
+        records = read_json_rows(file)
+    except DataError:
+        return None
+    return Shape(list(records[0]) if records else [], len(records))
+
+
+def _columns_json(columns: dict[str, Any]) -> str:
+    """The columns the rewards take as JSON text; ``_BadRow`` naming a value that is not JSON."""
+    for column, value in columns.items():
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise _BadRow(
+                f"column {column!r} is {_describe(value)}, which a reward function takes as a JSON value (str, number, "
+                f"bool, list, dict, null) and this is not: {e}"
+            ) from e
+    return json.dumps(columns)
 
 
 def template_fields(template: str) -> set[str]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from hpcrl.models.tokenizer import mark_exact
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
+MAX_POSITIONS = 512  # the tiny model's context (max_position_embeddings), which the default job makes it with
 CHARACTERS = string.digits + string.ascii_letters + string.punctuation + " \n"
 # A minimal chat template so multi-turn workflows can render turns the way real chat models do.
 CHAT_TEMPLATE = (
@@ -42,7 +43,7 @@ def make_tiny_model(
     num_layers: int = 2,
     num_heads: int = 4,
     intermediate_size: int = 256,
-    max_positions: int = 512,
+    max_positions: int = MAX_POSITIONS,
     seed: int = 0,
     characters: str = CHARACTERS,
 ) -> Path:
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--num-heads", type=int, default=4)
     parser.add_argument("--intermediate-size", type=int, default=256)
-    parser.add_argument("--max-positions", type=int, default=512)
+    parser.add_argument("--max-positions", type=int, default=MAX_POSITIONS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--characters", default=CHARACTERS, help="the tokenizer's alphabet (default: printable)")
     args = parser.parse_args(argv)

@@ -442,6 +442,6 @@ def _outcome(message: dict[str, Any]) -> _Values | RewardOutcome:
     return RewardOutcome(error=str(message.get("e", message)))
 
 
-def _finish(batch: _Batch, outcomes: list[RewardOutcome]) -> None:
+def _finish(batch: _Batch, outcomes: Sequence[_Values | RewardOutcome]) -> None:
     if not batch.future.done():
         batch.future.set_result(outcomes)

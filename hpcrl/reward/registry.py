@@ -189,6 +189,15 @@ class RewardFns:
             wanted += [c for c in columns if c not in wanted]
         return tuple(wanted)
 
+    def needs(self) -> dict[str, str]:
+        """The columns the functions cannot do without (a parameter without a default), each with what names it."""
+        needed: dict[str, str] = {}
+        for reward in self.rewards:
+            for name in reward.required:
+                if name not in OWN_NAMES:
+                    needed.setdefault(name, f"the parameter {name!r} of reward function {reward.spec!r}")
+        return needed
+
     def combine(self, values: Sequence[float]) -> tuple[float, dict[str, float] | None]:
         """The reward of one call from each function's value, and the parts by name (None for a single ``fn``)."""
         total = math.fsum(w * v for w, v in zip(self.weights, values, strict=True))

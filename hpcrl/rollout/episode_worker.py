@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     from hpcrl.reward.pool import RewardPool
 
     tokenizer = load_tokenizer(cfg.model.path)
-    with RewardPool(cfg.reward.fn, cfg.reward.workers, cfg.reward.timeout_s) as rewards:
+    with RewardPool.for_config(cfg.reward) as rewards:
         return asyncio.run(serve(cfg, run_dir, args.rank, token, servers, tokenizer, rewards, lease))
 
 
@@ -261,7 +261,9 @@ class EpisodeService:
         assert task is not None
         self._running.add(task)
         try:
-            group = await self.workflow.run(request.prompt, request.answer, seed=request.seed)
+            group = await self.workflow.run(
+                request.prompt, request.answer, seed=request.seed, columns=request.row_columns()
+            )
         finally:
             self._running.discard(task)
         self.served += 1

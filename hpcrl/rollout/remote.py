@@ -1,7 +1,7 @@
 """Episodes run by rollout workers (``episode_worker.py``), as the controller sees them.
 
     async with RemoteEpisodes(addresses, token) as remote:         # addresses[r]: rollout worker r's host:port
-        group = await remote.run({"prompt": ..., "answer": ...})    # on the least-loaded live worker
+        group = await remote.run({"prompt": ..., "answer": ..., "columns": {...}})  # on the least-loaded live worker
         await remote.pause()    # before a weight update aborts the servers' requests ...
         await remote.resume()   # ... and once the servers hold the new weights
         await remote.set_servers(["node3:30000"])  # the inference servers' pool, after one restarted or died
@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -54,6 +55,17 @@ class EpisodeRequest:
     prompt: str  # the prompt, templated as the dataset makes it
     answer: str  # the reference answer the reward compares with
     seed: int | None = None  # the episode's seed, which its requests' sampling seeds derive from; None: none
+    columns: dict[str, str] = dataclasses.field(default_factory=dict)  # the row's columns the rewards take: JSON text
+
+    @classmethod
+    def of(cls, row: Mapping[str, Any], seed: int | None) -> EpisodeRequest:
+        """The request for one episode of ``row``: its columns (any JSON value) each as JSON text on the wire."""
+        columns = {name: json.dumps(value) for name, value in (row.get("columns") or {}).items()}
+        return cls(row["prompt"], row["answer"], seed, columns)
+
+    def row_columns(self) -> dict[str, Any]:
+        """The row's columns as they were sent."""
+        return {name: json.loads(text) for name, text in self.columns.items()}
 
 
 @register
@@ -146,7 +158,7 @@ class RemoteEpisodes:
     async def run(self, row: Mapping[str, Any], seed: int | None = None) -> Group:
         """One episode of ``row`` (its ``prompt`` and ``answer``) on the least-loaded live worker."""
         worker = self._pick()
-        request = EpisodeRequest(row["prompt"], row["answer"], seed)
+        request = EpisodeRequest.of(row, seed)
         worker.in_flight += 1
         call = asyncio.create_task(worker.episodes.call("run_episode", [request]))
         try:

@@ -190,7 +190,7 @@ def test_a_key_the_config_would_ignore_is_refused_naming_the_option(
     tmp_path, tiny_model, overrides, key, option, fixed
 ):
     data = tmp_path / "rows.jsonl"
-    data.write_text('{"question": "1+1?", "answer": "2"}\n' * 3)
+    data.write_text('{"question": "1+1?", "q": "1+1?", "answer": "2"}\n' * 300)  # the preflight reads it: 100 train
     with pytest.raises(ConfigError) as err:
         compose_config([o.format(data=data, model=tiny_model) for o in overrides])
     assert err.value.path == key and err.value.expected.startswith(option)

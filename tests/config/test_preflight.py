@@ -2,6 +2,7 @@
 tokenizer or weights, and a data file that is not there, fail the dry run, the doctor and the run itself in one
 line (exit 2), before a run directory is made or a worker started."""
 
+import json
 import shutil
 
 import pytest
@@ -108,3 +109,63 @@ def test_the_multirun_launcher_checks_before_it_submits(tmp_path):
     )
     assert "model.path=" in one_error_line(result) and "does not exist" in result.stderr
     assert not list(tmp_path.rglob(".submitit")), "no job may be submitted"
+
+
+def mistakes(tmp_path) -> dict[str, tuple[list[str], str]]:
+    """Mistakes that fail seconds into a real run, each as (overrides, the line that names it)."""
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(250)))
+    files = ["dataset=files", f"dataset.train_files=[{data}]"]
+    return {
+        "reward that does not import": (
+            ["reward.fn=nosuchpkg.rewards:exact"],
+            "reward.fn='nosuchpkg.rewards:exact' is invalid: expected functions every reward process can import: "
+            "reward function 'nosuchpkg.rewards:exact': cannot import module 'nosuchpkg.rewards': ModuleNotFoundError: "
+            "No module named 'nosuchpkg'. The module must be importable in every process (installed, or on PYTHONPATH)",
+        ),
+        "missing column": (
+            [*files, "dataset.prompt_column=q", "dataset.holdout=10"],
+            f"dataset.train_files=['{data}'] is invalid: expected data that has what the config names: {data}: row 0: "
+            "no column 'q' (named by dataset.prompt_column); the file's columns are: question, answer",
+        ),
+        "holdout leaving less than a batch": (
+            files,  # the default: 200 of 250 rows held out, 64 prompts a step
+            "dataset.holdout=200 is invalid: expected fewer rows held out: dataset.train_files hold 250 rows, and "
+            "holding out 200 leaves 50 to train on, fewer than one batch (rollout.prompts_per_step=64); lower "
+            "dataset.holdout, or set dataset.eval_files (held-out rows of their own)",
+        ),
+        "max_new_tokens beyond the context": (
+            ["rollout.max_new_tokens=600"],
+            "rollout.max_new_tokens=600 is invalid: expected at most 511: the model's context is 512 tokens (the tiny "
+            "model is made with max_position_embeddings=512), which must hold a request's prompt (a token at least) "
+            "and its max_new_tokens, or SGLang refuses the request (HTTP 400): with 600 it refuses every one; or "
+            "inference.context_overflow=truncate, which cuts max_new_tokens to what each prompt leaves",
+        ),
+    }
+
+
+@pytest.mark.parametrize("how", ["dry run", "run", "doctor"])
+def test_mistakes_a_real_run_meets_late_fail_before_anything_starts_with_one_line(tmp_path, how):
+    """Each failed seconds into a real run (the reward pool's import, the data's loading, the first evaluation's
+    requests): the dry run and the doctor passed them."""
+    for name, (overrides, expected) in mistakes(tmp_path).items():
+        runs = tmp_path / "runs" / name.replace(" ", "_")
+        overrides = [*overrides, "run.trial=t", f"run.root={runs}"]
+        if how == "doctor":
+            result = run_module("hpcrl.doctor", *overrides, cwd=tmp_path)
+        else:
+            result = run_main(*overrides, *(["run.dry_run=true"] if how == "dry run" else []), cwd=tmp_path)
+        assert one_error_line(result) == f"hpcrl: config error: {expected}", name
+        assert started_nothing(runs), name
+
+
+def test_a_dry_run_says_how_the_data_is_split(tmp_path):
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) + "\n\n" for i in range(250)))
+    result = run_main("dataset=files", f"dataset.train_files=[{data}]", "dataset.holdout=50", "run.dry_run=true",
+                      f"run.root={tmp_path}", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert (
+        "INFO hpcrl.main: dataset: 250 rows in dataset.train_files: 200 to train on, 50 held out for evaluation "
+        "(dataset.holdout=50, drawn with run.seed; dataset.eval_files sets held-out rows of their own)"
+    ) in result.stderr

@@ -4,7 +4,7 @@ import re
 import pytest
 from datasets import Dataset
 
-from hpcrl.data.files import DataError, load_rows
+from hpcrl.data.files import DataError, Shape, decode_columns, load_rows, peek
 
 
 @pytest.fixture
@@ -189,3 +189,53 @@ def test_an_empty_file(write, load):
 def test_no_files(load):
     with pytest.raises(DataError, match="expected a non-empty list"):
         load([])
+
+
+def test_the_columns_the_rewards_take_go_with_each_row_as_the_file_holds_them(write, load):
+    rows = [{"q": "a", "answer": "1", "low": 1, "tags": ["x", "y"], "meta": {"k": None}, "unused": "u"}]
+    path = write("r.jsonl", rows)
+    loaded = load([path], prompt_column="q", takes=("low", "tags", "meta", "absent"), needs={"low": "the reward"})
+    assert [decode_columns(r) for r in loaded] == [
+        {"prompt": "a", "answer": "1", "columns": {"low": 1, "tags": ["x", "y"], "meta": {"k": None}}}
+    ]
+    everything = load([path], prompt_column="q", takes=None)  # a reward with **kwargs: every column
+    assert decode_columns(everything[0])["columns"] == rows[0]
+    assert "columns" not in load([path], prompt_column="q"), "no column is carried for rewards that take none"
+
+
+def test_a_column_a_reward_needs_is_checked_as_the_prompts_is(write, load):
+    path = write("r.jsonl", [{"prompt": "a", "answer": "1"}])
+    with pytest.raises(DataError) as e:
+        load([path], needs={"low": "the parameter 'low' of reward function 'm:f'"})
+    assert str(e.value) == (
+        f"{path}: row 0: no column 'low' (named by the parameter 'low' of reward function 'm:f'); the file's columns "
+        "are: prompt, answer"
+    )
+
+
+def test_a_column_value_that_is_not_json_is_named(write, load):
+    path = write("r.parquet", [{"prompt": "a", "answer": "1", "blob": b"\x00\x01"}])
+    with pytest.raises(DataError, match=r"r\.parquet: row 0: column 'blob' is a bytes .*takes as a JSON value"):
+        load([path], takes=("blob",))
+
+
+@pytest.mark.parametrize("name", ["a.jsonl", "a.json", "a.parquet", "lines.json"])
+def test_peek_reads_the_columns_and_the_row_count_as_loading_would(write, load, name):
+    rows = [{"question": f"q{i}", "answer": str(i)} for i in range(7)]
+    if name == "lines.json":  # JSON lines in a .json file, with blank lines between
+        path = write(name, text="\n\n".join(json.dumps(r) for r in rows) + "\n\n")
+    else:
+        path = write(name, rows)
+    assert (
+        peek(path)
+        == Shape(["question", "answer"], 7)
+        == Shape(["question", "answer"], len(load([path], prompt_column="question")))
+    )
+    assert peek(path, count=False).columns == ["question", "answer"]
+
+
+def test_peek_refuses_what_loading_refuses(write):
+    with pytest.raises(DataError, match="the file is empty"):
+        peek(write("empty.jsonl", text=""))
+    with pytest.raises(DataError, match="does not exist"):
+        peek(str(write("x.jsonl", text="{}\n")).replace("x.jsonl", "y.jsonl"))

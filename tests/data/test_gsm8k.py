@@ -68,9 +68,9 @@ def test_rows_load_with_templated_prompts_and_whole_solutions(tmp_path, suffix):
     assert [extract_answer(a) for a in rows["answer"]] == FINAL
 
 
-def test_without_held_out_files_eval_size_rows_are_held_out(tmp_path):
+def test_without_held_out_files_holdout_rows_are_held_out(tmp_path):
     train = write_rows(tmp_path / "train.jsonl")
-    cfg = gsm8k_config(f"dataset.train_files=['{train}']", "dataset.eval_size=1")
+    cfg = gsm8k_config(f"dataset.train_files=['{train}']", "dataset.holdout=1")
     rows, eval_rows = load_splits(cfg.dataset, cfg.run.seed, cache_dir=str(tmp_path / "cache"))
     assert (len(rows), len(eval_rows)) == (2, 1)
     assert sorted([*rows["answer"], *eval_rows["answer"]]) == sorted(r["answer"] for r in ROWS)
@@ -100,7 +100,7 @@ SCORED = [
 def gsm8k(tmp_path_factory):
     """The experiment's config and its training rows, loaded from a jsonl file."""
     tmp = tmp_path_factory.mktemp("gsm8k")
-    cfg = gsm8k_config(f"dataset.train_files=['{write_rows(tmp / 'train.jsonl')}']", "dataset.eval_size=1")
+    cfg = gsm8k_config(f"dataset.train_files=['{write_rows(tmp / 'train.jsonl')}']", "dataset.holdout=1")
     rows, eval_rows = load_splits(cfg.dataset, cfg.run.seed, cache_dir=str(tmp / "cache"))
     by_answer = {r["answer"]: r for r in [*rows, *eval_rows]}
     return cfg, [by_answer[r["answer"]] for r in ROWS]  # in ROWS' order
@@ -125,6 +125,8 @@ def test_the_reward_pool_scores_gsm8k_rows_with_the_configured_reward(gsm8k):
 def test_a_dry_run_of_the_experiment_shows_the_math_reward(tmp_path):
     train = write_rows(tmp_path / "train.jsonl")
     overrides = ["experiment=gsm8k", f"dataset.train_files=['{train}']", "run.trial=dry", "run.dry_run=true"]
+    overrides += ["dataset.holdout=1", "rollout.prompts_per_step=2"]  # 3 rows: one held out, a batch of two
+    overrides += ["rollout.max_new_tokens=64"]  # the tiny model's context is 512: the preset's 512 fits no prompt
     result = run_main(*overrides, f"run.root={tmp_path / 'runs'}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     printed = yaml.safe_load(result.stdout)

@@ -89,7 +89,7 @@ class Mod10Rewards:
     """reward.fn=hpcrl.reward.builtin:mod10, scored in this process."""
 
     async def score(self, items):
-        return [RewardOutcome(mod10(*item)) for item in items]
+        return [RewardOutcome(mod10(*item[:3])) for item in items]
 
 
 def test_the_same_agent_through_hpcrls_proxy_has_the_same_held_out_accuracy(agent_server):
@@ -120,7 +120,7 @@ def test_the_same_agent_through_hpcrls_proxy_has_the_same_held_out_accuracy(agen
 def test_a_run_directory_gives_the_agent_reward_rows_and_sampling_of_the_runs_own_evaluation(tmp_path):
     cfg = load("experiment=mod10_agent", "dataset.eval_size=7", "run.seed=3", "rollout.stop=['=']")
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
-    agent, reward, rows, sampling = settings(parse_args(["--base-url", "http://x/v1", "--run-dir", str(tmp_path)]))
+    agent, reward, _, rows, sampling = settings(parse_args(["--base-url", "http://x/v1", "--run-dir", str(tmp_path)]))
     assert (agent, reward) == (cfg.workflow.name, cfg.reward.fn) == (DEFAULT_AGENT, DEFAULT_REWARD)
     assert rows == [{"prompt": r["prompt"], "answer": r["answer"]} for r in load_splits(cfg.dataset, 3)[1]]
     assert len(rows) == 7 and rows == held_out(7, 3)
@@ -128,7 +128,7 @@ def test_a_run_directory_gives_the_agent_reward_rows_and_sampling_of_the_runs_ow
     args = parse_args(
         ["--base-url", "http://x/v1", "--max-tokens", "4", "--agent", "mytasks:agent", "--eval-size", "5"]
     )
-    agent, reward, rows, sampling = settings(args)
+    agent, reward, _, rows, sampling = settings(args)
     assert (agent, reward, len(rows), sampling) == (
         "mytasks:agent",
         DEFAULT_REWARD,

@@ -113,9 +113,10 @@ def test_a_three_turn_conversation_trains_as_the_servers_tokens_masked_on_the_mo
         assert sample.text == tokenizer.decode(r3.output_ids)
     first = calls_of(prompt_ids + group.samples[0].output_ids, calls)
     assert [version_number(r.weight_version) for _, r in first] == [version - 1, version, version], "the update shows"
-    assert sorted(text for _, text, _ in rewards.read) == sorted(s.text for s in group.samples)
+    assert sorted(text for _, text, *_ in rewards.read) == sorted(s.text for s in group.samples)
     for i, ep in seen.items():  # what each episode was given
-        assert ep.row == {"prompt": PROMPT, "answer": ANSWER} and ep.index == i and ep.model == "hpcrl-policy"
+        assert ep.row == {"prompt": PROMPT, "answer": ANSWER, "columns": {}}
+        assert ep.index == i and ep.model == "hpcrl-policy"
         assert ep.seed == derive_seed(5, "sample", i) and ep.sampling == {
             "temperature": 1.0,
             "top_p": 1.0,

@@ -116,8 +116,8 @@ def test_a_trajectory_is_the_server_turns_and_the_feedback_as_token_ids(server, 
     assert sample.logprobs == lps[0] + [0.0] * len(feedback) + lps[1] + [0.0] * len(feedback) + lps[2]
     assert sample.versions == [0] * 3 + [-1] * len(feedback) + [0] * 3 + [-1] * len(feedback) + [0] * 3
     last = tokenizer.decode(turns[2], skip_special_tokens=True)
-    assert sample.text == last and rewards.read[-1] == (PROMPT, last, ANSWER), "the reward reads the last turn"
-    assert [text for _, text, _ in rewards.read] == [tokenizer.decode(t, skip_special_tokens=True) for t in turns]
+    assert sample.text == last and rewards.read[-1] == (PROMPT, last, ANSWER, {}), "the reward reads the last turn"
+    assert [text for _, text, *_ in rewards.read] == [tokenizer.decode(t, skip_special_tokens=True) for t in turns]
 
 
 @pytest.mark.parametrize(

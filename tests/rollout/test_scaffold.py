@@ -79,7 +79,7 @@ class ByValue:
 
     async def score(self, items):
         self.calls.append(list(items))
-        return [RewardOutcome(error="raised ValueError") if c == "x" else RewardOutcome(float(c)) for _, c, _ in items]
+        return [RewardOutcome(error="raised ValueError") if c == "x" else RewardOutcome(float(c)) for _, c, *_ in items]
 
 
 SCRIPTED = {"max_new_tokens": 4, "temperature": 1.0}
@@ -101,11 +101,12 @@ def test_best_of_n_chooses_the_verifiers_best_the_first_of_equals_and_a_failed_s
     async def body():
         client, tokenizer = scripted("3", "9", "x", "9")
         verifier = ByValue()
-        result = await BestOfN(generate(client, tokenizer), 4, verifier).run(Episode.of("1+2=", "3", tokenizer))
+        episode = Episode.of("1+2=", "3", tokenizer, columns={"level": 2})
+        result = await BestOfN(generate(client, tokenizer), 4, verifier).run(episode)
         assert [s.text for s in result.samples] == ["3", "9", "x", "9"]
         assert result.scores == (3.0, 9.0, None, 9.0)
         assert result.text == "9" and result.chosen is result.samples[1]
-        assert verifier.calls == [[("1+2=", t, "3") for t in ("3", "9", "x", "9")]]
+        assert verifier.calls == [[("1+2=", t, "3", {"level": 2}) for t in ("3", "9", "x", "9")]], "with the columns"
 
         client, tokenizer = scripted("x", "x")
         result = await BestOfN(generate(client, tokenizer), 2, ByValue()).run(Episode.of("1+2=", "3", tokenizer))
@@ -222,7 +223,7 @@ def test_a_scaffold_group_holds_every_candidate_or_the_chosen_ones(train_on, siz
         texts = [s.text for s in group.samples]
         assert texts == (["1", "2", "3", "4", "5", "6"] if train_on == "all" else ["3", "6"])
         assert len(group.samples) == size and all(s.reward == 0.0 for s in group.samples)
-        assert rewards.items == [("1+2=", t, "3") for t in texts]
+        assert rewards.items == [("1+2=", t, "3", {}) for t in texts]
 
     run(body())
 

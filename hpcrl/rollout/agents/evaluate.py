@@ -46,54 +46,64 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def settings(args: argparse.Namespace) -> tuple[str, str, list[dict[str, str]], dict[str, Any]]:
-    """(agent, reward, held-out rows, the sampling every request carries), from the run's config or the arguments.
+def settings(args: argparse.Namespace) -> tuple[str, Any, list[float], list[dict[str, Any]], dict[str, Any]]:
+    """(agent, reward (reward.fn: one spec or a list), its weights, held-out rows, the sampling every request
+    carries), from the run's config or the arguments. A row holds the columns the reward takes, if any.
 
     The sampling is what the run's own held-out evaluation gives the agent (``ep.sampling``): the rollout's, greedy."""
     from hpcrl.rollout.workflows.agent import openai_sampling
 
     if args.run_dir:
         from hpcrl.config.load import load_run_config
-        from hpcrl.data import load_splits
+        from hpcrl.data import decode_columns, load_splits
+        from hpcrl.reward.registry import RewardFns
         from hpcrl.rollout.workflows.base import sampling_params
         from hpcrl.rundir import RunDir
 
         cfg = load_run_config(RunDir(Path(args.run_dir)).config_file)
-        _, held_out = load_splits(cfg.dataset, cfg.run.seed)
-        agent, reward, sampling = cfg.workflow.name, cfg.reward.fn, sampling_params(cfg.rollout)
+        reward, weights = cfg.reward.fn, list(cfg.reward.weights)
+        _, held_out = load_splits(cfg.dataset, cfg.run.seed, rewards=RewardFns.resolve(reward, weights))
+        held_out = [decode_columns(r) for r in held_out]
+        agent, sampling = cfg.workflow.name, sampling_params(cfg.rollout)
     else:
         from hpcrl.data import make_mod10
 
         _, held_out = make_mod10(0, args.eval_size, args.seed)
-        agent, reward, sampling = DEFAULT_AGENT, DEFAULT_REWARD, {"max_new_tokens": 1}
+        agent, reward, weights, sampling = DEFAULT_AGENT, DEFAULT_REWARD, [], {"max_new_tokens": 1}
     if args.max_tokens:
         sampling["max_new_tokens"] = args.max_tokens
-    rows = [{"prompt": r["prompt"], "answer": r["answer"]} for r in held_out]
-    return args.agent or agent, args.reward or reward, rows, openai_sampling({**sampling, "temperature": 0.0})
+    if args.reward:
+        reward, weights = args.reward, []
+    rows = [
+        {"prompt": r["prompt"], "answer": r["answer"], **({"columns": r["columns"]} if r.get("columns") else {})}
+        for r in held_out
+    ]
+    return args.agent or agent, reward, weights, rows, openai_sampling({**sampling, "temperature": 0.0})
 
 
 async def evaluate(
-    agent: str, reward: str, rows: list[dict[str, str]], base_url: str, sampling: dict[str, Any], *, model: str,
-    concurrency: int = 64,
+    agent: str, reward: Any, rows: list[dict[str, Any]], base_url: str, sampling: dict[str, Any], *, model: str,
+    concurrency: int = 64, weights: list[float] | None = None,
 ) -> float:  # fmt: skip
-    """Mean final reward of one run of ``agent`` per row against ``base_url``."""
+    """Mean final reward of one run of ``agent`` per row against ``base_url``; ``reward`` is reward.fn (one spec, or a
+    list weighed by ``weights``)."""
     import openai
 
-    from hpcrl.reward.registry import resolve as resolve_reward
-    from hpcrl.reward.registry import to_reward
+    from hpcrl.reward.registry import RewardFns, to_reward
     from hpcrl.rollout.workflows.base import EpisodeContext
     from hpcrl.rollout.workflows.plugin import resolve
 
-    episode, score_fn = resolve(agent), resolve_reward(reward)
+    episode, fns = resolve(agent), RewardFns.resolve(reward, weights or ())
     gate = asyncio.Semaphore(concurrency)
     async with openai.DefaultAsyncHttpxClient(timeout=600) as http:
         client = openai.AsyncOpenAI(base_url=base_url, api_key="EMPTY", http_client=http, max_retries=2)
 
-        async def one(row: dict[str, str]) -> float:
+        async def one(row: dict[str, Any]) -> float:
             given: list[float] = []
 
             async def score(text: str) -> float:
-                return to_reward(score_fn(row["prompt"], text, row["answer"]))
+                item = (row["prompt"], text, row["answer"], row.get("columns") or {})
+                return fns.combine([to_reward(fn(*item)) for fn in fns.rewards])[0]
 
             ctx = EpisodeContext(
                 row=row,
@@ -141,10 +151,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def evaluate_and_print(args: argparse.Namespace) -> int:
-    agent, reward, rows, sampling = settings(args)
+    agent, reward, weights, rows, sampling = settings(args)
     accuracy = asyncio.run(
-        evaluate(agent, reward, rows, args.base_url, sampling, model=args.model, concurrency=args.concurrency)
-    )
+        evaluate(
+            agent, reward, rows, args.base_url, sampling, model=args.model, concurrency=args.concurrency,
+            weights=weights,
+        )
+    )  # fmt: skip
     print(json.dumps({"accuracy": accuracy, "rows": len(rows), "agent": agent, "base_url": args.base_url}))
     return 0
 

@@ -31,8 +31,9 @@ an episode that made no request at all.
 from __future__ import annotations
 
 import asyncio
+import logging
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hpcrl.inference.client import InferenceClient
@@ -44,6 +45,8 @@ from hpcrl.rollout.proxy.server import MODEL, Proxy
 from hpcrl.rollout.proxy.trajectories import MissingReward, join, propagate_rewards, shared_prompt, to_sample
 from hpcrl.rollout.workflows.base import EpisodeContext, EpisodeFn, Group, Rewarder, derive_seed
 from hpcrl.rollout.workflows.single_turn import MAX_EMPTY_ABORTS
+
+logger = logging.getLogger(__name__)  # (``log`` names an episode's EpisodeLog here)
 
 CLIENT_TIMEOUT_S = 3600.0  # the agent's client's deadline per request: a backstop (the proxy's requests have theirs)
 POOLS = 16  # connection pools the episodes' clients are spread over (module docstring)
@@ -88,18 +91,20 @@ class AgentWorkflow:
         self._next_pool = 0
         self._starting = asyncio.Lock()
 
-    async def run(self, prompt: str, answer: str, seed: int | None = None) -> Group:
+    async def run(
+        self, prompt: str, answer: str, seed: int | None = None, columns: Mapping[str, Any] | None = None
+    ) -> Group:
         proxy = await self._started()
-        row = {"prompt": prompt, "answer": answer}
+        row = {"prompt": prompt, "answer": answer, "columns": dict(columns or {})}
         seeds = [derive_seed(seed, "sample", i) for i in range(self.group_size)]
         runs = await asyncio.gather(*(self._episode(proxy, row, i, s, self.sampling) for i, s in enumerate(seeds)))
         return _group(row, runs)
 
-    async def accuracy(self, rows: Sequence[dict[str, str]]) -> float:
+    async def accuracy(self, rows: Sequence[dict[str, Any]]) -> float:
         """Mean final reward of one greedy run per row (a failed reward counts 0): the agent's held-out accuracy."""
         proxy = await self._started()
         greedy = {**self.sampling, "temperature": 0.0}
-        row_of = [{"prompt": r["prompt"], "answer": r["answer"]} for r in rows]
+        row_of = [{"prompt": r["prompt"], "answer": r["answer"], "columns": r.get("columns", {})} for r in rows]
         runs = await asyncio.gather(*(self._episode(proxy, row, 0, None, greedy) for row in row_of))
         return statistics.fmean(
             (log.completions[-1].reward or 0.0) if error is None else 0.0 for log, error in runs
@@ -132,7 +137,7 @@ class AgentWorkflow:
             return self._proxy
 
     async def _episode(
-        self, proxy: Proxy, row: dict[str, str], index: int, seed: int | None, sampling: dict[str, Any]
+        self, proxy: Proxy, row: dict[str, Any], index: int, seed: int | None, sampling: dict[str, Any]
     ) -> tuple[EpisodeLog, str | None]:
         """One run: its log, and why its reward failed (None: every completion has one)."""
         import openai
@@ -172,10 +177,10 @@ class AgentWorkflow:
             error = _rewards(log, final, self.turn_discount)
         return log, error
 
-    async def _score(self, row: dict[str, str], text: str) -> float:
+    async def _score(self, row: dict[str, Any], text: str) -> float:
         if not isinstance(text, str):
             raise TypeError(f"ep.score takes the completion's text (a str), got {type(text).__name__}")
-        [outcome] = await self.rewards.score([(row["prompt"], text, row["answer"])])
+        [outcome] = await self.rewards.score([(row["prompt"], text, row["answer"], row.get("columns") or {})])
         if outcome.error is not None:
             raise RewardFailed(outcome.error)
         return outcome.value
@@ -209,7 +214,7 @@ def _rewards(log: EpisodeLog, final: Any, discount: float) -> str | None:
     return None
 
 
-def _group(row: dict[str, str], runs: Sequence[tuple[EpisodeLog, str | None]]) -> Group:
+def _group(row: dict[str, Any], runs: Sequence[tuple[EpisodeLog, str | None]]) -> Group:
     per_run = [(join(log.completions), error) for log, error in runs]
     trajectories = [t for ts, _ in per_run for t in ts]
     prompt = shared_prompt(trajectories)
@@ -239,6 +244,11 @@ def agent_workflow(
     from hpcrl.rollout.workflows.plugin import resolve
 
     w = cfg.workflow
+    if not isinstance(cfg.reward.fn, str):
+        logger.warning(
+            "reward.fn is a list: a plug-in episode's reward is what ep.score returns (their weighted sum) or what it "
+            "sets, so its parts are not logged as reward/<name>"
+        )
     chat = ChatFormat(tokenizer, w.chat_template, w.tool_parser)
     return AgentWorkflow(
         resolve(w.name), client, tokenizer, chat, sampling, cfg.algorithm.group_size, rewards, resumed,

@@ -30,13 +30,16 @@ the same seed and the same weights give the same samples.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
 class Rewarder(Protocol):
-    async def score(self, items: list[tuple[str, str, str]]) -> list[Any]: ...
+    """``reward.fn`` (a ``RewardPool``): one ``RewardOutcome`` per ``(prompt, completion, answer, columns)`` item,
+    ``columns`` being the row's columns the reward functions take by name (``hpcrl.reward.registry``)."""
+
+    async def score(self, items: list[tuple[str, str, str, Mapping[str, Any]]]) -> list[Any]: ...
 
 
 @dataclass
@@ -53,6 +56,7 @@ class Sample:
     reward_error: str | None = None
     loss_mask: list[int] | None = None  # 1 for each token the model sampled; None: every output token is
     turns: int = 1  # model turns in the trajectory
+    reward_parts: dict[str, float] | None = None  # reward.fn as a list: each function's own value, by its name
 
     def mask(self) -> list[int]:
         """The loss mask over ``output_ids``: 1 where the model sampled the token."""
@@ -74,20 +78,23 @@ class Group:
 
 
 class Workflow(Protocol):
-    """One episode: a prompt and its reference answer in, a scored ``Group`` out.
+    """One episode: a prompt and its reference answer in (and the row's columns the reward functions take, passed
+    on with every completion they score), a scored ``Group`` out.
 
     Episodes run concurrently on one workflow object: an episode's state lives in its own call (its
     arguments and locals), never in attributes of the workflow.
     """
 
-    async def run(self, prompt: str, answer: str, seed: int | None = None) -> Group: ...
+    async def run(
+        self, prompt: str, answer: str, seed: int | None = None, columns: Mapping[str, Any] | None = None
+    ) -> Group: ...
 
 
 @dataclass
 class EpisodeContext:
     """What one plug-in episode gets (module docstring): one sample of one row."""
 
-    row: dict[str, Any]  # the dataset row: "prompt" (as the dataset made it) and "answer"
+    row: dict[str, Any]  # the dataset row: "prompt" (as the dataset made it), "answer", "columns" (the rewards')
     client: Any  # openai.AsyncOpenAI on this episode's endpoint (its own base URL; retries are hpcrl's)
     base_url: str  # that endpoint, for frameworks that build a client of their own (any API key works)
     sampling: dict[str, Any]  # the rollout's, by OpenAI's names: temperature, top_p, max_tokens, stop

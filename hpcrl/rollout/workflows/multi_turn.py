@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from hpcrl.inference.client import InferenceClient
@@ -95,17 +96,28 @@ class MultiTurn:
         self.max_turns, self.turn_discount = max_turns, turn_discount
         self.feedback_ids = tuple(feedback_ids(tokenizer, feedback))  # shared by episodes, so immutable
 
-    async def run(self, prompt: str, answer: str, seed: int | None = None) -> Group:
+    async def run(
+        self, prompt: str, answer: str, seed: int | None = None, columns: Mapping[str, Any] | None = None
+    ) -> Group:
         prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         group = Group(prompt, answer, prompt_ids)
         trajectories = (
-            self.trajectory(prompt, answer, prompt_ids, derive_seed(seed, "sample", i)) for i in range(self.group_size)
+            self.trajectory(prompt, answer, prompt_ids, derive_seed(seed, "sample", i), columns)
+            for i in range(self.group_size)
         )
         group.samples = list(await asyncio.gather(*trajectories))
         return group
 
-    async def trajectory(self, prompt: str, answer: str, prompt_ids: list[int], seed: int | None = None) -> Sample:
-        """Turns until a right answer, the turn limit or a failed reward; the sample holds them all."""
+    async def trajectory(
+        self,
+        prompt: str,
+        answer: str,
+        prompt_ids: list[int],
+        seed: int | None = None,
+        columns: Mapping[str, Any] | None = None,
+    ) -> Sample:
+        """Turns until a right answer, the turn limit or a failed reward; the sample holds them all (its reward parts
+        are the last turn's, not discounted)."""
         out: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
@@ -122,8 +134,10 @@ class MultiTurn:
             logprobs += turn.logprobs
             versions += turn.versions
             mask += [1] * len(turn.output_ids)
-            [outcome] = await self.rewards.score([(prompt, turn.text, answer)])
+            [outcome] = await self.rewards.score([(prompt, turn.text, answer, columns or {})])
             if outcome.error is not None or outcome.value >= 1:
                 break
         reward = None if outcome.value is None else outcome.value * self.turn_discount ** (turns - 1)
-        return Sample(out, logprobs, versions, turn.finish_reason, turn.text, reward, outcome.error, mask, turns)
+        return Sample(
+            out, logprobs, versions, turn.finish_reason, turn.text, reward, outcome.error, mask, turns, outcome.parts
+        )

@@ -43,8 +43,8 @@ import asyncio
 import logging
 import math
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from hpcrl.config.schema import Config, WorkflowConfig
@@ -74,17 +74,25 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Episode:
-    """One episode's data, all of it: what the model is asked, the reference answer, the prompt's tokens, and
-    the seed its requests' sampling seeds derive from (None: none)."""
+    """One episode's data, all of it: what the model is asked, the reference answer, the prompt's tokens, the
+    seed its requests' sampling seeds derive from (None: none), and the row's columns the rewards take."""
 
     prompt: str
     answer: str
     prompt_ids: tuple[int, ...]
     seed: int | None = None
+    columns: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, prompt: str, answer: str, tokenizer: Any, seed: int | None = None) -> Episode:
-        return cls(prompt, answer, tuple(tokenizer(prompt, add_special_tokens=False)["input_ids"]), seed)
+    def of(
+        cls, prompt: str, answer: str, tokenizer: Any, seed: int | None = None, columns: Mapping[str, Any] | None = None
+    ) -> Episode:
+        ids = tuple(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        return cls(prompt, answer, ids, seed, columns or {})
+
+    def scored(self, text: str) -> tuple[str, str, str, Mapping[str, Any]]:
+        """The reward's item for ``text``, an answer to this episode."""
+        return (self.prompt, text, self.answer, self.columns)
 
 
 @dataclass(frozen=True)
@@ -134,7 +142,7 @@ class BestOfN:
 
     async def run(self, episode: Episode) -> Result:
         results = await _runs(self.inner, episode, self.n)
-        outcomes = await self.verifier.score([(episode.prompt, r.text, episode.answer) for r in results])
+        outcomes = await self.verifier.score([episode.scored(r.text) for r in results])
         failed = [o.error for o in outcomes if o.value is None]
         if failed:
             log.warning("best-of-%d: %d verifier call(s) failed, ranked last: %s", self.n, len(failed), failed[0])
@@ -193,7 +201,9 @@ class Pipeline:
             rendered = stage.render(episode.prompt, previous)
             path = _join(path, _unsampled(self._new_ids(rendered, episode.prompt, path)))
             ids = episode.prompt_ids + tuple(path.output_ids)
-            stage_episode = Episode(rendered, episode.answer, ids, derive_seed(episode.seed, "stage", k))
+            stage_episode = Episode(
+                rendered, episode.answer, ids, derive_seed(episode.seed, "stage", k), episode.columns
+            )
             result = await stage.controller.run(stage_episode)
             dead_ends += [_join(path, s) for s in result.samples if s is not result.chosen]
             path = _join(path, result.chosen)
@@ -282,14 +292,16 @@ class ScaffoldWorkflow:
         self.runs, self.train_on = runs, train_on
         self._close = weakref.finalize(self, _close_pools, list(pools))
 
-    async def run(self, prompt: str, answer: str, seed: int | None = None) -> Group:
-        episode = Episode.of(prompt, answer, self.tokenizer, seed)
+    async def run(
+        self, prompt: str, answer: str, seed: int | None = None, columns: Mapping[str, Any] | None = None
+    ) -> Group:
+        episode = Episode.of(prompt, answer, self.tokenizer, seed, columns)
         results = await _runs(self.controller, episode, self.runs)
         chosen = self.train_on == "chosen"
         samples = [r.chosen for r in results] if chosen else [s for r in results for s in r.samples]
-        outcomes = await self.rewards.score([(prompt, s.text, answer) for s in samples])
+        outcomes = await self.rewards.score([episode.scored(s.text) for s in samples])
         for sample, outcome in zip(samples, outcomes, strict=True):
-            sample.reward, sample.reward_error = outcome.value, outcome.error
+            sample.reward, sample.reward_error, sample.reward_parts = outcome.value, outcome.error, outcome.parts
         return Group(prompt, answer, list(episode.prompt_ids), samples)
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ and an answer with any new token starts the count again, so a long run's updates
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Any
 
 from hpcrl.inference.client import GenerateResult, InferenceClient, InferenceError
@@ -55,14 +56,16 @@ class SingleTurn:
         self.group_size, self.rewards, self.resumed = group_size, rewards, resumed
         self.max_empty_aborts = max_empty_aborts
 
-    async def run(self, prompt: str, answer: str, seed: int | None = None) -> Group:
+    async def run(
+        self, prompt: str, answer: str, seed: int | None = None, columns: Mapping[str, Any] | None = None
+    ) -> Group:
         prompt_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         group = Group(prompt, answer, prompt_ids)
         seeds = [derive_seed(seed, "sample", i) for i in range(self.group_size)]
         group.samples = await self.sample_group(prompt_ids, seeds)
-        outcomes = await self.rewards.score([(prompt, s.text, answer) for s in group.samples])
+        outcomes = await self.rewards.score([(prompt, s.text, answer, columns or {}) for s in group.samples])
         for sample, outcome in zip(group.samples, outcomes, strict=True):
-            sample.reward, sample.reward_error = outcome.value, outcome.error
+            sample.reward, sample.reward_error, sample.reward_parts = outcome.value, outcome.error, outcome.parts
         return group
 
     async def sample_group(self, prompt_ids: list[int], seeds: list[int | None]) -> list[Sample]:
