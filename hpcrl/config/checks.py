@@ -24,6 +24,7 @@ from hpcrl.config.schema import (
     NetConfig,
     RewardConfig,
     RoleAllocation,
+    RoleResources,
     RolloutConfig,
     RunConfig,
     TrainConfig,
@@ -44,6 +45,7 @@ def validate(cfg: Config) -> Config:
     allocation = resolve_allocation(cfg.allocation, cfg.cluster)
     check_algorithm(cfg.algorithm)
     check_critic(cfg, allocation)
+    check_cpus_per_node(cfg.cluster, allocation)
     check_model(cfg.model)
     dataset = check_dataset(cfg.dataset)
     check_train(cfg.train)
@@ -154,6 +156,21 @@ def _resolve_role(where: str, role: str, r: RoleAllocation, cluster: ClusterConf
     require(fits, f"{where}.nodes", nodes, f"enough nodes for {r.workers}x{gpus} GPUs at {cluster.gpus_per_node}/node")
     require(cluster.kind != "local" or nodes == 1, f"{where}.nodes", nodes, "1 on cluster.kind=local")
     return replace(r, gpus_per_worker=gpus, nodes=nodes)
+
+
+def check_cpus_per_node(cluster: ClusterConfig, allocation: AllocationConfig) -> None:
+    """On Slurm, the cores a role asks of one node (its workers there, each ``cpus_per_worker``) fit in
+    ``cluster.cpus_per_node`` (0: not checked)."""
+    if cluster.kind != "slurm" or not cluster.cpus_per_node:
+        return
+    for role, r in allocation.roles().items():
+        per_node, cpus = r.workers // r.nodes, (cluster.roles.get(role) or RoleResources()).cpus_per_worker
+        if per_node * cpus > cluster.cpus_per_node:
+            expected = (
+                f"at most {cluster.cpus_per_node // per_node}: {per_node} {role} workers share a node of "
+                f"cluster.cpus_per_node={cluster.cpus_per_node} cores (or spread them: allocation.{role}.nodes)"
+            )
+            raise ConfigError(f"cluster.roles.{role}.cpus_per_worker", cpus, expected)
 
 
 def _default_gpus(r: RoleAllocation) -> int:

@@ -305,3 +305,15 @@ def test_dataclass_fields_walk_into_roles():
     keys = [key for key, _, _ in leaves(load(), Config())]
     assert "cluster.roles.critic.setup_timeout_s" in keys and "cluster.net.port_min" in keys
     assert len(keys) == len(set(keys)) and all(not dataclasses.is_dataclass(FIELDS.get(k)) for k in keys)
+
+
+def test_cluster_cpus_per_node_is_checked_on_slurm_as_its_comment_says():
+    # before: it was read by nothing (0 = do not check, yet no value was checked)
+    with pytest.raises(ConfigError) as refused:
+        load("cluster=slurm", "allocation=1node_8gpu", "cluster.cpus_per_node=16")  # 4 trainer ranks x 8 cores
+    assert str(refused.value) == (
+        "cluster.roles.trainer.cpus_per_worker=8 is invalid: expected at most 4: 4 trainer workers share a node of "
+        "cluster.cpus_per_node=16 cores (or spread them: allocation.trainer.nodes)"
+    )
+    assert load("cluster=slurm", "allocation=1node_8gpu", "cluster.cpus_per_node=32").cluster.cpus_per_node == 32
+    load("allocation=1node_8gpu", "cluster=local_gpu", "cluster.cpus_per_node=16")  # Slurm's: a local run reads none
