@@ -98,7 +98,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
         f"model.path={model}",
         f"model.dtype={args.dtype}",
         f"dataset.train_files=[{data}]",
-        "dataset.eval_size=4",
+        "dataset.holdout=4",  # rows of train.jsonl held out (dataset.eval_size is the synthetic task's)
         f"run.max_steps={args.steps}",
         f"rollout.prompts_per_step={args.prompts}",
         f"algorithm.group_size={args.group}",
