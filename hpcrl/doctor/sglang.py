@@ -7,7 +7,7 @@ it answers in a second even where importing SGLang's server takes a minute.
 
 Where ``import sglang`` fails, ``install_problems`` says whether the tested release can be installed there at
 all: it publishes wheels only (no source package) for Linux with glibc >= 2.34 on x86_64 and aarch64, and its
-dependencies resolve only on CPython 3.11 and 3.12.
+dependencies all have wheels only for CPython 3.11 and 3.12.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from packaging.requirements import Requirement
 
 from hpcrl.inference.sglang_api import HTTP_SERVER, SGLANG_REQUIREMENT, TESTED, missing, routes
 
-# Where sglang 0.5.23 installs, read from PyPI: its wheels are cp311/cp312/cp313 manylinux_2_34 (x86_64, aarch64)
-# and there is no source package; on 3.13 pip finds no outlines_core 0.1.26 (outlines 0.1.11's pin: Python < 3.13).
+# Where sglang 0.5.23 installs from wheels, as pip resolves it from PyPI: its own wheels are cp311/cp312/cp313
+# manylinux_2_34 (x86_64, aarch64), with no source package; on 3.13 outlines_core 0.1.26 (the pin of its
+# outlines==0.1.11) has no wheel, only a Rust source package that pip would have to build.
 INSTALLABLE_PYTHONS = ((3, 11), (3, 12))
 INSTALLABLE_MACHINES = ("x86_64", "aarch64")
 MIN_GLIBC = (2, 34)
