@@ -207,3 +207,18 @@ def test_the_slurm_launcher_without_slurm_here_is_one_line_and_submits_nothing(t
     )
     assert "run.dry_run=true" in hint
     assert list(tmp_path.iterdir()) == []
+
+
+def test_workers_on_slurm_without_slurm_here_is_one_line_and_submits_nothing(tmp_path, path_without_slurm):
+    # before: "hpcrl: the run failed (FileNotFoundError): [Errno 2] No such file or directory: 'sbatch'" after
+    # its traceback, exit code 1
+    cmd = [sys.executable, "-m", "hpcrl.main", "cluster=slurm", f"run.root={tmp_path}", "run.trial=t"]
+    env = {**os.environ, "PATH": path_without_slurm, "HYDRA_FULL_ERROR": "0"}
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    line, hint = user_error(result)
+    assert line == (
+        "hpcrl: cluster.kind=slurm starts the workers as Slurm jobs, but sbatch, squeue, scancel are not on PATH "
+        "here: nothing was submitted"
+    )
+    assert "cluster=local" in hint
+    assert not (tmp_path / "default" / "t" / "slurm").exists(), "no submitit folder: nothing submitted"

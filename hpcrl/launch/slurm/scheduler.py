@@ -31,6 +31,7 @@ in the same signal-free step as its sbatch, so no job escapes between submission
 from __future__ import annotations
 
 import logging
+import shutil
 import uuid
 from collections.abc import Sequence
 
@@ -38,6 +39,7 @@ import submitit
 from submitit.core.utils import DelayedSubmission
 
 from hpcrl.config.schema import ClusterConfig
+from hpcrl.errors import UserError
 from hpcrl.launch.base import RoleSpec, Scheduler, WorkerFailed, worker_env
 from hpcrl.launch.process import Child, ChildGroup, _signals_held, add_last_resort, remove_last_resort
 from hpcrl.launch.registry import Registry
@@ -54,6 +56,20 @@ from hpcrl.rundir import RunDir
 log = logging.getLogger(__name__)
 
 SUBMIT_MODES = ("hetjob", "per_role", "steps")
+
+
+def check_slurm_commands(submit_mode: str) -> None:
+    """A ``UserError`` before anything is submitted when this machine lacks a Slurm command the scheduler calls:
+    sbatch (srun for the steps of ``submit_mode=steps``), squeue and scancel."""
+    needed = ("srun" if submit_mode == "steps" else "sbatch", "squeue", "scancel")
+    missing = [command for command in needed if shutil.which(command) is None]
+    if missing:
+        raise UserError(
+            f"cluster.kind=slurm starts the workers as Slurm jobs, but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not on PATH here: nothing was submitted",
+            "run it on a login node of the cluster (python -m hpcrl.doctor checks one), or cluster=local to run on "
+            "this machine",
+        )
 
 
 class SlurmScheduler(Scheduler):
@@ -197,6 +213,7 @@ class SlurmScheduler(Scheduler):
                 log.error("Slurm jobs %s are still listed by squeue %g s after scancel", left, self.stop_timeout_s)
 
     def __enter__(self) -> SlurmScheduler:
+        check_slurm_commands(self.cluster.submit_mode)  # a run's scheduler; one made to render scripts needs none
         self._signals.__enter__()  # from here SIGTERM and SIGINT unwind through __exit__
         add_last_resort(self._last_resort)  # and when the process must end at once, the jobs still go
         return self
