@@ -27,7 +27,15 @@ def setup_logging(role: str, rank: int | str, level: str = "INFO", log_file: Pat
 def library_bars_off_unless_terminal() -> None:
     """No progress bars from Hugging Face libraries (transformers' "Loading weights", "Writing model shards") unless
     stderr is a terminal: in a log file or a Slurm job's output each is a line of carriage-return frames. Through
-    ``HF_HUB_DISABLE_PROGRESS_BARS``, which huggingface_hub reads when first imported (every hpcrl process sets up
-    its logging before that) and the processes this one starts inherit; a value the user set wins."""
-    if not sys.stderr.isatty():
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    ``HF_HUB_DISABLE_PROGRESS_BARS``, which the processes this one starts inherit, and, where huggingface_hub or
+    transformers is imported already (they read it on import), their own switches; a value the user set wins."""
+    if sys.stderr.isatty() or os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1") != "1":
+        return
+    if "huggingface_hub" in sys.modules:  # e.g. through datasets, as the config's checks read data files
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()

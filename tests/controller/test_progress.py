@@ -1,6 +1,11 @@
 """The run's progress where stderr is not a terminal: lines in the log, no bar."""
 
 import logging
+import os
+import subprocess
+import sys
+
+import pytest
 
 from hpcrl.controller.progress import Lines, Progress
 
@@ -45,3 +50,26 @@ def test_a_resumed_run_counts_its_pace_from_its_first_step(caplog):
         "progress: step 12 of 20 (60%), 2.00 s a step, about 16 s to go",
         "progress: step 14 of 20 (70%), 2.67 s a step, about 16 s to go",
     ]
+
+
+def bars_after_setup_logging(imported_first: str) -> str:
+    """Whether transformers would draw its bars in a process whose stderr is a pipe, after hpcrl's setup_logging,
+    with ``imported_first`` imported before it (the config's checks import datasets, and with it huggingface_hub)."""
+    code = (
+        f"import {imported_first}\n"
+        "from hpcrl.logs import setup_logging\n"
+        "setup_logging('controller', 0)\n"
+        "from transformers.utils import logging\n"
+        "print(logging.is_progress_bar_enabled())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+@pytest.mark.parametrize("imported_first", ["os", "huggingface_hub", "transformers"])
+def test_library_bars_are_off_where_stderr_is_not_a_terminal(imported_first):
+    # before: "Writing model shards" and "Loading weights" bars in the controller's redirected stderr and in every
+    # worker's log
+    assert bars_after_setup_logging(imported_first) == "False"
