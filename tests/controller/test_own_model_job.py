@@ -55,7 +55,7 @@ def test_the_quickstart_from_a_model_directory_and_a_jsonl_file_to_the_trained_m
 
     log = (run_dir / "logs" / "controller-0.log").read_text()
     (first,) = re.findall(r"the first row's prompt as the model sees it \(dataset.chat_template=auto\): (.*)", log)
-    # the training row left after one is held out: either the templated string or the conversation, in ChatML
+    # the first training row left after one is held out: a templated string or the conversation, in ChatML
     assert first.startswith(repr(START)[:-1]) and f"{END}\\n{START}assistant\\n'" in first
     assert "Think step by step" in first, "gsm8k's prompt template went onto the question"
     assert len(re.findall(r"step \d: reward", log)) == 2
