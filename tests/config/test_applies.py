@@ -207,6 +207,14 @@ def test_a_dtype_the_trainers_do_not_compute_in_is_a_note(dtype):
     assert notes(load()) == []
 
 
+def test_resuming_a_run_that_writes_no_checkpoint_is_a_note():
+    # before: validate logged it before the run's logging was set up, so it went to stdout, ahead of the dry run's YAML
+    assert notes(load("recover.mode=auto")) == [
+        "recover.mode=auto with checkpoint.every_steps=0: this run writes no checkpoint to resume from"
+    ]
+    assert notes(load("recover.mode=auto", "checkpoint.every_steps=5")) == []
+
+
 def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
