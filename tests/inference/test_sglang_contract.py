@@ -19,7 +19,6 @@ so: they never skip.
 """
 
 import asyncio
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from hpcrl.controller.weights import WeightSync
 from hpcrl.inference.client import InferenceClient
 from hpcrl.inference.sglang_api import ENDPOINTS
 from hpcrl.models.tiny import make_tokenizer
+from hpcrl.reward.outcome import RewardOutcome
 from hpcrl.rollout.workflows import make_workflow
 from tests.inference.sglang_wheel import Wheel, fetch_wheel, fields_of
 from tests.inference.test_client_fakes import fake_servers
@@ -77,15 +77,9 @@ def recorded(per_server) -> list[tuple[str, str, Any]]:
     return [call for calls in per_server for call in calls]
 
 
-@dataclass
-class Outcome:
-    value: float
-    error: str | None = None
-
-
 class Rewards:
     async def score(self, items):
-        return [Outcome(1.0) for _ in items]
+        return [RewardOutcome(1.0) for _ in items]
 
 
 class Trainers:
