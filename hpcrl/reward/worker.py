@@ -48,9 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def score_one(
-    fns: RewardFns, prompt: str, completion: str, answer: str, columns: Mapping[str, Any]
-) -> dict[str, Any]:
+def score_one(fns: RewardFns, prompt: str, completion: str, answer: str, columns: Mapping[str, Any]) -> dict[str, Any]:
     """``{"v": [each function's reward]}`` or ``{"e": what went wrong}`` (naming the function of a list) for one
     call; the functions run in order and the first that fails ends it."""
     values = []
