@@ -174,28 +174,20 @@ def test_dry_run_as_a_slurm_job_with_the_cluster_groups_resources(slurm_cluster,
         tmp_path, "hydra/launcher=submitit_slurm", *overrides, "run.dry_run=true", timeout_s=DRY_RUN_TIMEOUT_S
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    print(f"dry run as a Slurm job: {time.monotonic() - started:.1f} s")
-
-    # one sweep directory, named by the timestamp run.trial got in the submitting process: the job used it too
-    (sweep_dir,) = (tmp_path / exp).iterdir()
-    assert re.fullmatch(r"\d{8}-\d{6}", sweep_dir.name), sweep_dir
-    written = yaml.safe_load((sweep_dir / "0" / "config.yaml").read_text())
-    assert written["run"]["trial"] == sweep_dir.name and written["cluster"]["name"] == "slurm_local"
-    folder = job_folder(sweep_dir)
-    assert yaml.safe_load(job_stdout(folder)) == written, "a dry run prints the config it writes"
-
-    job_id = folder.name
-    rows = wait_for_job(job_id)
-    assert rows[job_id]["State"] == "COMPLETED", rows
+    print(f"dry run under the Slurm launcher: {time.monotonic() - started:.1f} s")
+    # a dry run submits nothing (it once submitted a job that then checked the config): it prints the controller
+    # job's settings, resolved from the cluster group, then the job's config, and makes no run directory
+    settings, job = yaml.safe_load_all(result.stdout)
     cluster = load(*overrides).cluster
-    hours, minutes = divmod(cluster.controller.time_min or cluster.time_min, 60)
-    allocation = sacct_allocation(job_id, ["Partition", "ReqCPUS", "Timelimit"])
-    assert allocation == {
-        "JobName": f"hpcrl-{exp}",
-        "Partition": cluster.controller.partition or cluster.partition,
-        "ReqCPUS": str(cluster.controller.cpus),
-        "Timelimit": f"{hours:02d}:{minutes:02d}:00",
-    }
+    assert (settings["name"], settings["partition"]) == (
+        f"hpcrl-{exp}",
+        cluster.controller.partition or cluster.partition,
+    )
+    assert settings["cpus_per_task"] == cluster.controller.cpus
+    assert settings["timeout_min"] == (cluster.controller.time_min or cluster.time_min)
+    assert re.fullmatch(r"\d{8}-\d{6}", job["run"]["trial"]) and job["cluster"]["name"] == "slurm_local"
+    assert "nothing was submitted" in result.stderr
+    assert not (tmp_path / exp).exists(), "no run directory, no .submitit folder"
 
 
 @pytest.mark.slurm
@@ -319,13 +311,13 @@ def test_a_two_point_sweep_on_slurm_gives_each_job_its_own_directory(slurm_clust
         timeout_s=DRY_RUN_TIMEOUT_S,
     )
     assert result.returncode == 0, result.stderr[-4000:]
+    # a dry run submits nothing: it says where each job would run, and each job's config
     sweep_dir = tmp_path / exp / "sweep"
-    folders = job_folders(sweep_dir)
-    assert len(folders) == 2, folders
-    for num, (folder, algorithm) in enumerate(zip(folders, ["grpo", "dapo"], strict=True)):
-        written = yaml.safe_load((sweep_dir / str(num) / "config.yaml").read_text())
-        assert written["algorithm"]["name"] == algorithm and yaml.safe_load(job_stdout(folder)) == written
-        assert wait_for_job(folder.name)[folder.name]["State"] == "COMPLETED"
+    _, *jobs = yaml.safe_load_all(result.stdout)
+    assert [job["algorithm"]["name"] for job in jobs] == ["grpo", "dapo"]
+    for num, algorithm in enumerate(["grpo", "dapo"]):
+        assert f"--- # job {num} algorithm={algorithm}: in {sweep_dir / str(num)}" in result.stdout, result.stdout
+    assert not sweep_dir.exists()
 
 
 @pytest.mark.parametrize("launcher", ["submitit_local", pytest.param("submitit_slurm", marks=pytest.mark.slurm)])
@@ -336,9 +328,12 @@ def test_a_failing_controller_job_fails_the_command_with_its_error(request, laun
     else:
         where = []
     exp = experiment(job_prefix)
-    # a reward module that raises when it is imported: the job finds it as it starts its reward pool, after the
-    # config was checked and the job submitted (a missing model directory or data file is refused before that)
-    (tmp_path / "broken_reward.py").write_text('raise RuntimeError("this reward module is broken")\n')
+    # a reward module that raises when it is imported in a submitit job only: the submitting process's checks (which
+    # import it, as they do a missing model directory or data file) pass, and the job's own checks fail it
+    broken = (
+        'import os\nif "SUBMITIT_EXECUTOR" in os.environ:\n    raise RuntimeError("this reward module is broken")\n'
+    )
+    (tmp_path / "broken_reward.py").write_text(broken + "def score(prompt, completion, answer):\n    return 0.0\n")
     result = submit(
         tmp_path,
         f"hydra/launcher={launcher}",
@@ -350,8 +345,9 @@ def test_a_failing_controller_job_fails_the_command_with_its_error(request, laun
     )
     assert result.returncode != 0
     error = (
-        "hpcrl: the run failed (RewardSpecError): reward function 'broken_reward:score': cannot import module "
-        "'broken_reward': RuntimeError: this reward module is broken"
+        "hpcrl: config error: reward.fn='broken_reward:score' is invalid: expected functions every reward process can "
+        "import: reward function 'broken_reward:score': cannot import module 'broken_reward': RuntimeError: this "
+        "reward module is broken"
     )
     assert error in result.stderr, result.stderr[-4000:]
     sweep = tmp_path / exp / "fail"
