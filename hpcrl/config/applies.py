@@ -130,6 +130,8 @@ RULES: tuple[Rule, ...] = (
     Rule(("dataset.train_size",), _MOD10, "dataset=mod10"),
     Rule(("dataset.eval_size",), _MOD10, "dataset=mod10 (files: dataset.holdout)"),
     Rule(("train.weight_sync_bucket_mb",), equals("train.weight_sync", "distributed")),
+    Rule(_keys("train.lora", "alpha dropout target_modules"), positive("train.lora.rank")),  # no adapter at 0
+    Rule(("export.merged",), positive("train.lora.rank")),  # a full fine-tune's export is the whole model
     # inference/commands.py: the cpu server takes neither; SGLang has no batch wait of its own
     Rule(_keys("inference", "mem_fraction_static extra_args"), equals("allocation.server.backend", "sglang")),
     Rule(("inference.batch_wait_ms",), equals("allocation.server.backend", "cpu")),
@@ -185,6 +187,7 @@ ALWAYS: dict[str, tuple[str, ...]] = {
     "model": ("source", "dtype"),  # dtype: the trainers may compute in float32 (notes)
     "dataset": ("name", "chat_template"),
     "train": ("lr", "weight_decay", "grad_clip", "warmup_steps", "lr_schedule", "micro_batch_tokens", "weight_sync"),
+    "train.lora": ("rank",),
     "rollout": (
         *("prompts_per_step", "max_new_tokens", "temperature", "top_p", "top_k", "max_concurrent", "max_staleness"),
         *("max_rejected_in_a_row", "max_empty_aborts", "request_timeout_s", "stop", "workers"),

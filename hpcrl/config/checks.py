@@ -19,6 +19,7 @@ from hpcrl.config.schema import (
     DatasetConfig,
     EvalConfig,
     InferenceConfig,
+    LoRAConfig,
     MetricsConfig,
     ModelConfig,
     NetConfig,
@@ -49,6 +50,7 @@ def validate(cfg: Config) -> Config:
     check_model(cfg.model)
     dataset = check_dataset(cfg.dataset)
     check_train(cfg.train)
+    check_lora_critic(cfg)
     check_schedule(cfg)
     check_minibatches(cfg)
     check_rollout(cfg.rollout)
@@ -317,6 +319,28 @@ def check_train(t: TrainConfig) -> None:
     one_of("train.weight_sync", t.weight_sync, ("disk", "distributed"))
     mb = t.weight_sync_bucket_mb
     require(mb >= 1, "train.weight_sync_bucket_mb", mb, "MiB >= 1 (one /update_weights_from_distributed call)")
+    check_lora(t.lora)
+
+
+def check_lora(lora: LoRAConfig) -> None:
+    """The adapter's shape (whether its targets are modules of the model is checked with the model, before launch)."""
+    require(lora.rank >= 0, "train.lora.rank", lora.rank, "an integer >= 0 (0 = no LoRA: full fine-tuning)")
+    require(lora.alpha > 0, "train.lora.alpha", lora.alpha, "a number > 0 (the adapter's scale is alpha / rank)")
+    require(0 <= lora.dropout < 1, "train.lora.dropout", lora.dropout, "a probability in [0, 1)")
+    names = lora.target_modules
+    ok = isinstance(names, list) and bool(names) and all(isinstance(n, str) and n for n in names)
+    require(ok, "train.lora.target_modules", names, "a non-empty list of module names, e.g. [q_proj,v_proj]")
+    # Issue 32 is being built: the trainer, the servers and the weight sync do not take adapters yet, so a rank
+    # would be ignored. Refused until they do (this line goes when `train.lora.rank=8` trains end to end).
+    require(lora.rank == 0, "train.lora.rank", lora.rank, "0: LoRA training is not built yet (issue 32)")
+
+
+def check_lora_critic(cfg: Config) -> None:
+    """LoRA trains the policy's adapters; the critic (advantage=gae) trains its full weights, so the two are not
+    combined: refused rather than training the critic otherwise than the user may think."""
+    if cfg.train.lora.rank and cfg.algorithm.advantage == "gae":
+        expected = "0 with a critic (algorithm.advantage=gae, algorithm=ppo): LoRA trains the policy only"
+        raise ConfigError("train.lora.rank", cfg.train.lora.rank, expected)
 
 
 def check_schedule(cfg: Config) -> None:

@@ -186,6 +186,18 @@ class DatasetConfig:
     holdout: int = 200  # files without eval_files: rows of train_files held out for evaluation (drawn with run.seed)
 
 
+# Qwen2/Llama-style decoder layers: attention's four projections and the MLP's three (not the embeddings or lm_head)
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoRAConfig:
+    rank: int = 0  # LoRA adapters of this rank on the policy, trained instead of its weights; 0 = off (full weights)
+    alpha: float = 16.0  # the adapter's scale is alpha / rank
+    dropout: float = 0.0  # dropout on the adapter's input while training
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))  # module names that get adapters
+
+
 @dataclass
 class TrainConfig:
     lr: float = 5e-4  # AdamW learning rate
@@ -197,6 +209,7 @@ class TrainConfig:
     critic_lr: float = 2e-3  # the critic's AdamW learning rate (its other settings are the ones above)
     weight_sync: str = "disk"  # how trainers push weights to servers: disk | distributed
     weight_sync_bucket_mb: int = 512  # distributed: MiB at most per /update_weights_from_distributed call
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # LoRA adapters instead of full fine-tuning (rank > 0)
 
 
 @dataclass
@@ -253,6 +266,7 @@ class CheckpointConfig:
 @dataclass
 class ExportConfig:
     every_steps: int = 0  # also keep the model every this many steps in <run dir>/exports/step_NNNNNN/; 0 = final only
+    merged: bool = False  # with train.lora: also the base model with the adapter merged in, in <export>/merged/
 
 
 @dataclass

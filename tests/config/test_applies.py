@@ -32,6 +32,7 @@ DECIDING = {
     "reward.fn": (["a.b:c", "a.b:d"], "a.b:c"),
     "inference.on_server_exit": ("restart", "drop"),
     "cluster.kind": ("slurm", "local"),
+    "train.lora.rank": (8, 0),
 }
 LAUNCHERS = ("submitit_slurm", "basic")  # hydra/launcher, as DECIDING's
 

@@ -138,6 +138,11 @@ def test_multirun_fails_before_the_launcher_submits(main_cli, tmp_path):
         (["rollout.top_k=5"], "rollout.top_k", "-1 (off) for training rollouts"),
         (["train.lr=0"], "train.lr", "a number > 0"),
         (["train.weight_sync=nfs"], "train.weight_sync", "one of disk, distributed"),
+        (["train.lora.rank=-1"], "train.lora.rank", "an integer >= 0 (0 = no LoRA"),
+        (["train.lora.alpha=0"], "train.lora.alpha", "a number > 0"),
+        (["train.lora.dropout=1.0"], "train.lora.dropout", "a probability in [0, 1)"),
+        (["train.lora.target_modules=[]"], "train.lora.target_modules", "a non-empty list of module names"),
+        (["train.lora.rank=8"], "train.lora.rank", "0: LoRA training is not built yet (issue 32)"),
         (["model=local"], "model.path", "a local model directory"),
         (["model.tiny.num_heads=3"], "model.tiny.num_heads", "a divisor of hidden_size=128"),
         (["dataset=files"], "dataset.train_files", "files for name=files"),
@@ -182,3 +187,15 @@ def test_checks_name_the_field_and_the_expected_form(overrides, path, expected):
     assert err.value.path == path
     assert expected in err.value.expected
     assert str(err.value).startswith(f"{path}=")
+
+
+def test_lora_with_a_critic_is_refused_naming_the_rank():
+    from dataclasses import replace
+
+    from hpcrl.config.checks import check_lora_critic
+
+    cfg = load("algorithm=ppo")
+    check_lora_critic(cfg)  # no adapter: the critic trains as before
+    cfg = replace(cfg, train=replace(cfg.train, lora=replace(cfg.train.lora, rank=8)))
+    with pytest.raises(ConfigError, match=r"^train\.lora\.rank=8 is invalid: expected 0 with a critic"):
+        check_lora_critic(cfg)
