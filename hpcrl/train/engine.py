@@ -1,9 +1,9 @@
 """The FSDP2 training engine: one per torchrun rank, driven in lockstep by the controller (one float32 rank alone
 trains the unsharded model: ``_shards``).
 
-``setup``, ``token_logprobs``, ``sequence_logprobs``, ``train_step``, ``full_state_dict``, ``export_hf`` and
-``export_weights`` are collective: all ranks call them, in the same order, or the group hangs until the
-process-group timeout. Each rank passes its own share of the global batch.
+``setup``, ``token_logprobs``, ``sequence_logprobs``, ``train_step``, ``full_state_dict``, ``adapter_tensors``,
+``export_hf`` and ``export_weights`` are collective: all ranks call them, in the same order, or the group hangs
+until the process-group timeout. Each rank passes its own share of the global batch.
 
 Conventions (see ``batch.py`` for the data layout):
 
@@ -15,6 +15,9 @@ Conventions (see ``batch.py`` for the data layout):
 - FSDP2 averages gradients over ranks by default; this engine makes the reduce-scatter a plain SUM (see
   ``_sum_gradients_over_ranks``), so the summed gradient is the gradient of the whole global batch and two
   ranks train exactly like one process that sees the whole batch.
+- With ``train.lora.rank > 0`` the model is peft's, adapters around the frozen base (``lora.py``), wrapped
+  before FSDP2 shards it; the optimizer holds the adapters only, and what goes out (``export_hf``,
+  ``export_weights``, ``adapter_tensors``) is the adapter in PEFT's layout.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from torch import Tensor, nn
 
 from hpcrl.config.schema import TrainConfig
 from hpcrl.rundir import write_dir_atomic
+from hpcrl.train import lora
 from hpcrl.train.batch import MicroBatch, Normalizer, Sequence, check_optional_fields, collate
 from hpcrl.train.dist import DistInfo, init_distributed
 from hpcrl.train.microbatch import plan
@@ -112,6 +116,8 @@ class Engine:
         info = self.dist
         model, layers, config = self._load_model()
         self.pad_id = next((i for i in (config.pad_token_id, config.eos_token_id) if isinstance(i, int)), 0)
+        if self.lora:  # before fully_shard: the adapters live inside the layers it shards
+            model = lora.wrap(model, self.train.lora, self.model_path)
         mp_policy = self._mixed_precision(info.device)
         sharded = _shards(info.world_size, mp_policy)
         if sharded:
@@ -125,15 +131,18 @@ class Engine:
         self.model = model
         # fused: one kernel over all parameters instead of about ten DTensor-dispatched ops per parameter
         # (the tiny model's step 16 -> 2 ms on this CPU, bench/README.md); the same update up to rounding
+        # the trainable parameters only: with LoRA the adapters (the frozen base has no gradient and no state)
+        trainable = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=self.train.lr, weight_decay=self.train.weight_decay, fused=True
+            trainable, lr=self.train.lr, weight_decay=self.train.weight_decay, fused=True
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         params = sum(p.numel() for p in model.parameters())  # DTensor numel is the full (global) size
         logger.info(
-            "model %s: %.2fM parameters, %d layers %s on %s, compute dtype %s",
+            "model %s: %.2fM parameters (%.2fM trainable), %d layers %s on %s, compute dtype %s",
             self.model_path,
             params / 1e6,
+            sum(p.numel() for p in trainable) / 1e6,
             len(layers),
             f"sharded over {info.world_size} rank(s)" if sharded else "on one rank, not sharded",
             info.device,
@@ -181,6 +190,11 @@ class Engine:
             return 1.0
         progress = min(1.0, (update - warmup) / (self.total_updates - warmup))
         return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    @property
+    def lora(self) -> bool:
+        """Whether the policy trains LoRA adapters (``train.lora.rank > 0``) instead of its weights."""
+        return self.train.lora.rank > 0
 
     def require_setup(self) -> tuple[PreTrainedModel, DistInfo]:
         """The sharded model and this rank's ``DistInfo``; RuntimeError before ``setup()``."""
@@ -363,14 +377,42 @@ class Engine:
         model, info = self.require_setup()
         return gather_full_state_dict(model, info.is_main)
 
-    def export_hf(self, out_dir: str | Path) -> Path:
+    def adapter_tensors(self) -> dict[str, Tensor]:
+        """With LoRA: the adapter's float32 tensors by PEFT name (``adapter_model.safetensors``'), unsharded on the
+        CPU of rank 0; ``{}`` on the other ranks. Collective: one all-gather of the adapters, not of the base."""
+        from hpcrl.train.gather import gather_full_state_dict
+
+        model, info = self._require_lora("adapter_tensors")
+        state = gather_full_state_dict(model, info.is_main, names=lora.adapter_names(model))
+        return lora.peft_names(model, state) if info.is_main else {}
+
+    def adapter_config(self) -> dict:
+        """With LoRA: the adapter's ``adapter_config.json`` as a dict (SGLang's ``config_dict``). Local."""
+        model, _ = self._require_lora("adapter_config")
+        return lora.adapter_config(model)
+
+    def _require_lora(self, what: str) -> tuple[PreTrainedModel, DistInfo]:
+        if not self.lora:
+            raise ValueError(f"{what} is the LoRA adapter's, but this engine trains full weights (train.lora.rank=0)")
+        return self.require_setup()
+
+    def export_hf(self, out_dir: str | Path, merged: bool = False) -> Path:
         """Write the model in the Hugging Face layout (safetensors) plus the tokenizer files to ``out_dir``.
+
+        With LoRA the weights are the adapter's, in PEFT's layout (``adapter_config.json``,
+        ``adapter_model.safetensors``: ``peft.PeftModel.from_pretrained(base, out_dir)`` loads it), and with
+        ``merged`` (``export.merged``) also ``out_dir/merged/``: the base with the adapter merged in, in the Hugging
+        Face layout, with the tokenizer files. Without LoRA ``merged`` is refused: the export is the whole model.
 
         Rank 0 writes into a sibling temporary directory and renames it, so a reader never sees half a
         model; an existing ``out_dir`` is replaced. Other ranks return once it is in place. Collective.
         """
         model, info = self.require_setup()
         out = Path(out_dir)
+        if self.lora:
+            return self._export_adapter(out, merged, info)
+        if merged:
+            raise ValueError("export.merged applies to LoRA only (train.lora.rank > 0): this export is the whole model")
         state = _drop_tied_duplicates(model, self.full_state_dict())
 
         def fill(tmp: Path) -> None:
@@ -382,17 +424,40 @@ class Engine:
         run_on_main(info, lambda: write_dir_atomic(out, fill), what=f"export to {out}")
         return out
 
+    def _export_adapter(self, out: Path, merged: bool, info: DistInfo) -> Path:
+        tensors, config = self.adapter_tensors(), self.adapter_config()
+
+        def fill(tmp: Path) -> None:
+            lora.write_adapter(tmp, config, tensors)
+            _copy_non_weight_files(self.model_path, tmp)
+            if merged:
+                lora.write_merged(tmp / "merged", self.model_path, tmp)
+                _copy_non_weight_files(self.model_path, tmp / "merged")
+            logger.info("exported the adapter of step %d to %s%s", self.step, out, " (and merged/)" if merged else "")
+
+        run_on_main(info, lambda: write_dir_atomic(out, fill), what=f"adapter export to {out}")
+        return out
+
     def export_weights(self, out_dir: str | Path) -> Path:
         """Write only the weights, as one ``model.safetensors`` in ``out_dir``: what a server's
         ``/update_weights_from_disk`` reads (SGLang's loader globs ``*.safetensors`` and reads no config or
         tokenizer file there). About a tenth of ``export_hf``'s time on a small model: no ``save_pretrained``
         (config, generation config, its own tensor handling) and no tokenizer files. The names and tensors are
         ``export_hf``'s (tied duplicates dropped); written into place as ``export_hf`` does. Collective.
+
+        With LoRA: the adapter in PEFT's layout (``adapter_config.json``, ``adapter_model.safetensors``), what
+        ``/load_lora_adapter``'s ``lora_path`` reads; no tokenizer files (SGLang would read an
+        ``added_tokens.json`` there as the adapter's own tokens).
         """
         from safetensors.torch import save_file
 
         model, info = self.require_setup()
         out = Path(out_dir)
+        if self.lora:
+            tensors, config = self.adapter_tensors(), self.adapter_config()
+            fill_adapter = lambda tmp: lora.write_adapter(tmp, config, tensors)  # noqa: E731
+            run_on_main(info, lambda: write_dir_atomic(out, fill_adapter), what=f"adapter export to {out}")
+            return out
         state = _drop_tied_duplicates(model, self.full_state_dict())
 
         def fill(tmp: Path) -> None:

@@ -23,9 +23,12 @@ from torch.distributed.tensor import DTensor, Shard
 
 
 @torch.no_grad()
-def gather_full_state_dict(model: nn.Module, is_main: bool) -> dict[str, Tensor]:
-    """``model.state_dict()`` unsharded, on the CPU of rank 0 (``is_main``); ``{}`` elsewhere. Collective."""
+def gather_full_state_dict(model: nn.Module, is_main: bool, names: set[str] | None = None) -> dict[str, Tensor]:
+    """``model.state_dict()`` unsharded, on the CPU of rank 0 (``is_main``); ``{}`` elsewhere. ``names``: only
+    these entries (a LoRA adapter's, without the frozen base). Collective."""
     state = model.state_dict()
+    if names is not None:
+        state = {name: tensor for name, tensor in state.items() if name in names}
     full: dict[str, Tensor] = {}
     by_dtype: dict[torch.dtype, list[str]] = defaultdict(list)
     first: dict[int, str] = {}  # a tied tensor (lm_head as embed_tokens) is one object under two names

@@ -6,6 +6,7 @@ RPC server runs the handlers one at a time, in arrival order, so the ranks' coll
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -35,6 +36,7 @@ from hpcrl.rpc.messages import (
 from hpcrl.train.batch import Sequence
 from hpcrl.train.checkpoint import load_checkpoint, save_checkpoint
 from hpcrl.train.engine import Engine
+from hpcrl.train.lora import BaseReference, LoraAdapter, LoraAdapterRequest
 from hpcrl.train.loss import make_loss_fn
 from hpcrl.train.weight_push import (
     host_weight_group,
@@ -81,14 +83,15 @@ class EngineService:
 
 
 class TrainerService(EngineService):
-    """The handlers of one rank. ``reference`` is the frozen initial policy, kept when ``algorithm.kl.coef > 0``."""
+    """The handlers of one rank. ``reference`` is the frozen initial policy, kept when ``algorithm.kl.coef > 0``: a
+    second engine, or with LoRA the engine's own base (its adapters switched off)."""
 
     def __init__(
         self,
         engine: Engine,
         cfg: Config,
         rank: int,
-        reference: Engine | None = None,
+        reference: Engine | BaseReference | None = None,
         *,
         weight_host: str = "",  # this node's advertised address: rank 0 hosts the weight group's rendezvous there
         ports: PortAllocator | None = None,  # this worker's own port slice, for that rendezvous
@@ -99,6 +102,7 @@ class TrainerService(EngineService):
         self.host = None  # rank 0's rendezvous of the weight-update group, once started
         self.loss_fn = make_loss_fn(cfg.algorithm, cfg.rollout.max_new_tokens)
         self.decoupled = cfg.algorithm.behavior_weight_cap > 0
+        self.merged = cfg.export.merged  # with LoRA: exports also hold the merged model (export.merged)
         self.group = None  # rank 0's membership of the weight-update group, once joined
 
     def handlers(self) -> dict:
@@ -111,6 +115,7 @@ class TrainerService(EngineService):
             "weight_specs": self.weight_specs,
             "push_weights": self.push_weights,
             "export_for_servers": self.export_for_servers,
+            "lora_adapter": self.lora_adapter,
             "shutdown": self.shutdown,
         }
 
@@ -144,6 +149,12 @@ class TrainerService(EngineService):
             metrics["time_weights_export_s"] = round(time.monotonic() - start, 4)
         return TrainStepResult(metrics)
 
+    def export_weights(self, msg: ExportWeights) -> Ack:
+        """final/ and exports/step_N: the model (with LoRA the adapter in PEFT's layout, and with
+        ``export.merged`` the merged model in ``merged/`` beside it)."""
+        self.engine.export_hf(msg.path, merged=self.merged and self.engine.lora)
+        return Ack()
+
     def compute_logprobs(self, msg: ComputeLogprobs) -> LogprobsResult:
         sequences = _sequences(msg.batch)
         return LogprobsResult.of(self.engine.sequence_logprobs(sequences, msg.temperature))
@@ -175,6 +186,11 @@ class TrainerService(EngineService):
         """The disk weight sync's export: the weights alone, for ``/update_weights_from_disk`` (``push_to_disk``)."""
         push_to_disk(self.engine, msg.path)
         return Ack()
+
+    def lora_adapter(self, _: LoraAdapterRequest) -> LoraAdapter:
+        """With LoRA: the adapter for ``/load_lora_adapter_from_tensors``: its config and, on rank 0, its tensors by
+        PEFT name ({} on the other ranks). Collective (the adapters are gathered); refused without LoRA."""
+        return LoraAdapter(json.dumps(self.engine.adapter_config()), self.engine.adapter_tensors())
 
     def shutdown(self, _: object = None) -> Ack:
         if self.group is not None:

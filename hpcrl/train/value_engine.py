@@ -16,7 +16,7 @@ from pathlib import Path
 
 from torch import Tensor, nn
 
-from hpcrl.config.schema import TrainConfig
+from hpcrl.config.schema import LoRAConfig, TrainConfig
 from hpcrl.train.batch import Sequence
 from hpcrl.train.engine import Engine, run_on_main
 from hpcrl.train.value_model import ValueModel
@@ -29,8 +29,10 @@ class ValueEngine(Engine):
     it takes with a fresh zero head."""
 
     def __init__(self, model_path: str | Path, train: TrainConfig, *args, **kwargs) -> None:
-        """``Engine``'s arguments; the optimizer's learning rate is ``train.critic_lr``."""
-        super().__init__(model_path, replace(train, lr=train.critic_lr), *args, **kwargs)
+        """``Engine``'s arguments; the optimizer's learning rate is ``train.critic_lr``. The critic trains its full
+        weights: ``train.lora`` is the policy's (and refused with a critic before launch, ``check_lora_critic``)."""
+        own = replace(train, lr=train.critic_lr, lora=LoRAConfig())
+        super().__init__(model_path, own, *args, **kwargs)
 
     def _load_model(self) -> tuple[nn.Module, nn.ModuleList, object]:
         model = ValueModel.from_pretrained(self.model_path)  # float32 master weights, as the policy's

@@ -52,6 +52,11 @@ name (what ``Engine.export_hf`` and ``export_weights`` write and what the server
 state-dict order, except parameters tied to an earlier one (a tied ``lm_head.weight``: loading ties it to
 the embedding again).
 ``push_over_group`` sends exactly these, in this order: the server receives by position.
+
+With LoRA (``train.lora.rank > 0``) the servers take the adapter, not the model: ``push_to_disk`` writes it in
+PEFT's layout (``adapter_config.json``, ``adapter_model.safetensors``) for ``/load_lora_adapter``, and
+``Engine.adapter_tensors`` / ``Engine.adapter_config`` give what ``/load_lora_adapter_from_tensors`` takes. The
+weight update group carries full weights only: ``weight_specs`` and ``push_over_group`` refuse a LoRA engine.
 """
 
 from __future__ import annotations
@@ -120,6 +125,7 @@ def weight_specs(engine: Engine, dtype: str | torch.dtype | None = None) -> list
     all-gather different parameters).
     """
     model, _ = engine.require_setup()
+    _refuse_lora(engine)
     wire = _wire_dtype(dtype)
     master = _master_dtype(engine)
     return [
@@ -130,7 +136,8 @@ def weight_specs(engine: Engine, dtype: str | torch.dtype | None = None) -> list
 
 def push_to_disk(engine: Engine, out_dir: str | Path) -> Path:
     """Write the weights as one ``model.safetensors`` in ``out_dir`` (``Engine.export_weights``: no config or
-    tokenizer files, which ``/update_weights_from_disk`` never reads); the directory servers load. Collective."""
+    tokenizer files, which ``/update_weights_from_disk`` never reads); the directory servers load. Collective.
+    With LoRA: the adapter in PEFT's layout, the directory ``/load_lora_adapter``'s ``lora_path`` names."""
     start = time.monotonic()
     path = engine.export_weights(out_dir)
     logger.info("step %d written to %s for the servers in %.1f ms", engine.step, path, 1e3 * (time.monotonic() - start))
@@ -198,6 +205,7 @@ def push_over_group(engine: Engine, group: WeightGroup | None, dtype: str | torc
     ``join_weight_group`` returned, the others None. Every rank raises if that is not so.
     """
     model, info = engine.require_setup()
+    _refuse_lora(engine)  # the same on every rank: all raise together, before any collective
     _agree_on_membership(info, group)
     wire = _wire_dtype(dtype)
     master = _master_dtype(engine)
@@ -300,6 +308,14 @@ def _agree_on_membership(info: DistInfo, group: WeightGroup | None) -> None:
         + (f"{culprit}, expected {expected}" if culprit else "another rank passed the wrong one")
         + ". Join on rank 0 first, concurrently with the servers' /init_weights_update_group"
     )
+
+
+def _refuse_lora(engine: Engine) -> None:
+    if engine.lora:
+        raise ValueError(
+            "train.lora: the servers take the adapter, not the full weights over the weight update group; send "
+            "Engine.adapter_tensors() with /load_lora_adapter_from_tensors, or push_to_disk for /load_lora_adapter"
+        )
 
 
 def _wait_for_device(device: torch.device) -> None:

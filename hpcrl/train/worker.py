@@ -53,7 +53,6 @@ def main(argv: list[str] | None = None) -> int:
     from hpcrl.rundir import RunDir
     from hpcrl.train.critic_service import CriticService
     from hpcrl.train.dist import init_distributed
-    from hpcrl.train.engine import Engine
     from hpcrl.train.service import TrainerService
 
     run_dir = RunDir(Path(args.run_dir))
@@ -63,10 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine = _engine(args.role, cfg, info)
         engine.setup()
-        reference = None
-        if args.role == "trainer" and cfg.algorithm.kl.coef > 0:  # the KL penalty's frozen initial policy, sharded
-            reference = Engine(cfg.model.path, cfg.train, cfg.model.dtype, info, **_schedule(cfg))
-            reference.setup()
+        reference = _reference(cfg, engine, info) if args.role == "trainer" else None
         advertised, bind = worker_addresses(cfg.cluster.net)
         # this rank's own port slice: its RPC port, and on rank 0 the weight-update group's rendezvous
         ports = worker_ports(port_range(cfg.cluster.net))
@@ -109,6 +105,21 @@ def _engine(role: str, cfg, info):
         path = cfg.model.critic_path or cfg.model.path
         return ValueEngine(path, cfg.train, cfg.model.dtype, info, **_schedule(cfg))
     return Engine(cfg.model.path, cfg.train, cfg.model.dtype, info, **_schedule(cfg))
+
+
+def _reference(cfg, engine, info):
+    """The KL penalty's frozen initial policy (``algorithm.kl.coef > 0``, else None): a second engine, sharded like
+    the policy; with LoRA the policy's own base, its adapters switched off (no second copy)."""
+    from hpcrl.train.engine import Engine
+    from hpcrl.train.lora import BaseReference
+
+    if cfg.algorithm.kl.coef <= 0:
+        return None
+    if engine.lora:
+        return BaseReference(engine)
+    reference = Engine(cfg.model.path, cfg.train, cfg.model.dtype, info, **_schedule(cfg))
+    reference.setup()
+    return reference
 
 
 def _schedule(cfg) -> dict[str, int]:
