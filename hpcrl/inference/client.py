@@ -16,6 +16,12 @@ of a large model answers after minutes). A prompt whose length plus ``max_new_to
 (``context.fit``): ``ContextLengthError``, or with ``context_overflow="truncate"`` a shorter
 ``max_new_tokens`` when SGLang takes the prompt.
 
+LoRA adapters (servers launched with ``--enable-lora``) are loaded by name on every server, from a directory
+(``load_lora_adapter``) or from the trainer's tensors (``load_lora_adapter_from_tensors``, one copy per
+tensor-parallel rank, ``client_lora``), and unloaded by name; a generate request names its adapter with
+``lora_path`` (None: the base model). Like weight updates they are not retried and have the weight-update
+deadline.
+
 Generation goes to one server per request, picked by ``policy``: ``least_loaded`` (fewest requests in
 flight from this client, ties broken round-robin) or ``round_robin``. The pool can change while requests
 run: ``remove`` a dead server, ``add`` a restarted one. While it is empty (its only server is restarting),
@@ -29,10 +35,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from hpcrl.inference.client_http import HttpPool, InferenceError, fixed
+from hpcrl.inference.client_lora import check_adapter_name, check_lora_update, checked_config, serialized_tensors
 from hpcrl.inference.client_wire import ContextLengthError, GenerateResult, check_sampling, check_success, parse_result
 from hpcrl.inference.context import fit, max_input_len
 from hpcrl.inference.weight_layout import DEFAULT_GROUP, group_layout
@@ -155,8 +162,10 @@ class InferenceClient:
         return_logprob: bool = True,
         rid: str | None = None,
         server: str | None = None,
+        lora_path: str | None = None,
     ) -> GenerateResult:
-        """Generate from one prompt on ``server``, or on a server picked by the policy (again on each retry)."""
+        """Generate from one prompt on ``server``, or on a server picked by the policy (again on each retry), with
+        the LoRA adapter loaded under the name ``lora_path`` (None: the base model)."""
         check_sampling(sampling_params)
         if not input_ids:
             raise ValueError("input_ids is empty; a prompt needs at least one token")
@@ -168,6 +177,8 @@ class InferenceClient:
         }
         if rid is not None:
             payload["rid"] = rid
+        if lora_path is not None:
+            payload["lora_path"] = check_adapter_name(lora_path)
         chosen, answer = await self._http.call(self._chooser(server), "POST", "/generate", payload, count=1)
         return parse_result(chosen, answer, return_logprob)
 
@@ -178,9 +189,11 @@ class InferenceClient:
         *,
         return_logprob: bool = True,
         server: str | None = None,
+        lora_path: str | Sequence[str | None] | None = None,
     ) -> list[GenerateResult]:
         """Generate from several prompts in one batched request to one server; results in prompt order.
-        ``sampling_params`` is one dict for every prompt, or one per prompt (SGLang takes either)."""
+        ``sampling_params`` is one dict for every prompt, or one per prompt (SGLang takes either); ``lora_path``
+        one adapter name for every prompt, or one per prompt (None: the base model)."""
         if not input_ids:
             raise ValueError("input_ids is an empty batch; it needs at least one prompt")
         empty = [i for i, ids in enumerate(input_ids) if not ids]
@@ -194,6 +207,9 @@ class InferenceClient:
         fitted = [self._fitted(len(ids), p) for ids, p in zip(input_ids, each, strict=True)]
         params: Any = sampling_params if all(f is p for f, p in zip(fitted, each, strict=True)) else fitted
         payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": return_logprob}
+        adapters = _batch_adapters(lora_path, len(input_ids))
+        if adapters is not None:
+            payload["lora_path"] = adapters
         chosen, answer = await self._http.call(
             self._chooser(server), "POST", "/generate", payload, count=len(input_ids)
         )
@@ -368,6 +384,56 @@ class InferenceClient:
     async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> None:
         await self._collective("/destroy_weights_update_group", self._same({"group_name": group_name}), None)
 
+    async def load_lora_adapter(
+        self, name: str, path: str, *, timeout_s: float | None = None, servers: Sequence[str] | None = None
+    ) -> None:
+        """Every server (or those in ``servers``: a restarted one) loads the PEFT adapter in directory ``path`` (one
+        its node can read: adapter_config.json, adapter_model.safetensors) under ``name``, which generate requests
+        then give as ``lora_path``.
+
+        SGLang refuses a name it holds already (unload it first), an adapter of a rank above its
+        ``--max-lora-rank`` or with modules outside its ``--lora-target-modules``, and any LoRA call to a server
+        without ``--enable-lora``: InferenceError naming the server and SGLang's reason. Not retried (a second
+        load of the name would be refused); the deadline is ``weight_update_timeout_s``."""
+        payload = {"lora_name": check_adapter_name(name), "lora_path": str(path)}
+        await self._lora("/load_lora_adapter", payload, timeout_s, servers)
+
+    async def load_lora_adapter_from_tensors(
+        self,
+        name: str,
+        config_dict: dict[str, Any],
+        named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        *,
+        timeout_s: float | None = None,
+        servers: Sequence[str] | None = None,
+    ) -> None:
+        """As ``load_lora_adapter``, from the adapter's ``adapter_config.json`` as a dict and its full tensors
+        ({name: tensor} or pairs, named as PEFT saves them), sent in the body: one copy per tensor-parallel rank
+        of each server (``tp_size``), serialized as SGLang decodes them (``client_lora.serialized_tensors``, in a
+        thread, off the event loop)."""
+        check_adapter_name(name)
+        payload = {
+            "lora_name": name,
+            "config_dict": checked_config(config_dict),
+            "serialized_named_tensors": await asyncio.to_thread(serialized_tensors, named_tensors, self.tp_size),
+        }
+        await self._lora("/load_lora_adapter_from_tensors", payload, timeout_s, servers)
+
+    async def unload_lora_adapter(
+        self, name: str, *, timeout_s: float | None = None, servers: Sequence[str] | None = None
+    ) -> None:
+        """Every server (or those in ``servers``) unloads the adapter ``name``: SGLang stops new requests from naming
+        it at once, and answers once the requests that name it have ended (pause with ``abort`` to end them
+        sooner), within ``weight_update_timeout_s``. A name it does not hold is refused (InferenceError)."""
+        await self._lora("/unload_lora_adapter", {"lora_name": check_adapter_name(name)}, timeout_s, servers)
+
+    async def _lora(
+        self, endpoint: str, payload: dict[str, Any], timeout_s: float | None, servers: Sequence[str] | None
+    ) -> None:
+        payloads = self._same(payload) if servers is None else self._only(servers, payload)
+        deadline = self._weights_deadline(timeout_s)
+        await self._http.call_all("POST", endpoint, payloads, retries=0, timeout_s=deadline, check=check_lora_update)
+
     async def _collective(self, endpoint: str, payloads: dict[str, Any], timeout_s: float | None) -> None:
         deadline = self._weights_deadline(timeout_s)
         await self._http.call_all("POST", endpoint, payloads, retries=0, timeout_s=deadline, check=check_success)
@@ -415,6 +481,19 @@ class InferenceClient:
                     endpoint="/generate",
                 ) from None
         return self.pick(tried)
+
+
+def _batch_adapters(lora_path: str | Sequence[str | None] | None, prompts: int) -> str | list[str | None] | None:
+    """``generate_many``'s ``lora_path`` as the body gives it: one name, one per prompt, or None (all on the base
+    model). SGLang 0.5.23 does not check a list's length against the batch, so it is checked here."""
+    if lora_path is None or isinstance(lora_path, str):
+        return None if lora_path is None else check_adapter_name(lora_path)
+    names = list(lora_path)
+    if len(names) != prompts:
+        raise ValueError(f"lora_path has {len(names)} entries for {prompts} prompts")
+    if all(name is None for name in names):
+        return None
+    return [None if name is None else check_adapter_name(name) for name in names]
 
 
 def _check_weight_args(tp_size: int, timeout_s: float, context_length: int | None, overflow: str) -> None:

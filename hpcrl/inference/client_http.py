@@ -258,8 +258,7 @@ class HttpPool:
             raise _Retryable(f"HTTP {status}: {body[:_BODY_CHARS]}")
         if status >= 400:
             raise InferenceError(
-                f"{method} {endpoint} on {server} failed with HTTP {status} (a 4xx is not retried): "
-                f"{body[:_BODY_CHARS]}",
+                f"{method} {endpoint} on {server} failed with HTTP {status} (a 4xx is not retried): {_reason(body)}",
                 server=server,
                 endpoint=endpoint,
                 status=status,
@@ -290,6 +289,18 @@ def fixed(server: str) -> Callable[[list[str]], Awaitable[str]]:
 def _base_url(address: str) -> URL:
     host, port = parse_hostport(address)  # raises ValueError naming the expected form
     return URL.build(scheme="http", host=host, port=port)
+
+
+def _reason(body: str) -> str:
+    """What a refusal says: SGLang's ``error_message`` when the body is a ``LoRAUpdateOutput`` (the LoRA routes
+    answer 400 with one), else the body itself, cut to ``_BODY_CHARS``."""
+    try:
+        answer = json.loads(body)
+    except json.JSONDecodeError:
+        answer = None
+    if isinstance(answer, dict) and answer.get("success") is False and isinstance(answer.get("error_message"), str):
+        return answer["error_message"]
+    return body[:_BODY_CHARS]
 
 
 def _combined(method: str, endpoint: str, failures: Mapping[str, BaseException], total: int) -> BaseException:

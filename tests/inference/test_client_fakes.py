@@ -35,6 +35,7 @@ class FakeServer:
         self.success = True  # what the weight endpoints report
         self.barrier: asyncio.Barrier | None = None  # /init_weights_update_group waits here, like a process group
         self.weight_version = "3"
+        self.adapters: dict[str, str] = {}  # LoRA adapters loaded: name -> path ("__tensor__" from tensors)
         self.release = asyncio.Event()
         self._stopping = asyncio.Event()
         self._runner: web.AppRunner | None = None
@@ -85,7 +86,20 @@ class FakeServer:
             return web.Response(text="Cache flushed.")
         if path in ("/pause_generation", "/continue_generation"):
             return web.json_response({"message": "ok", "status": "ok"})
+        if "lora" in path:
+            return self._lora(path, body)
         return web.json_response({"success": self.success, "message": f"fake {path} success={self.success}"})
+
+    def _lora(self, path: str, body: dict[str, Any]) -> web.Response:
+        """SGLang's LoRAUpdateOutput: 200 with the adapters loaded now, or 400 with the reason."""
+        if not self.success:
+            answer = {"success": False, "error_message": f"fake {path} refused {body['lora_name']}"}
+            return web.json_response({**answer, "loaded_adapters": None}, status=400)
+        if path == "/unload_lora_adapter":
+            self.adapters.pop(body["lora_name"], None)
+        else:
+            self.adapters[body["lora_name"]] = body.get("lora_path", "__tensor__")
+        return web.json_response({"success": True, "error_message": None, "loaded_adapters": dict(self.adapters)})
 
     async def _generate(self, body: dict[str, Any]) -> web.Response:
         if self.hang:
