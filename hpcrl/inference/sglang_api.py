@@ -31,6 +31,9 @@ ENDPOINTS = (
     ("POST", "/update_weights_from_distributed"),
     ("POST", "/end_weight_update"),
     ("POST", "/destroy_weights_update_group"),
+    ("POST", "/load_lora_adapter"),
+    ("POST", "/load_lora_adapter_from_tensors"),
+    ("POST", "/unload_lora_adapter"),
 )
 
 

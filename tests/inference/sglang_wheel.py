@@ -12,6 +12,7 @@ temp directory), and the files are read from the zip:
   module-level definition they use (type aliases, base classes); names it imports from SGLang, torch,
   numpy or zmq become stand-ins that validate as any value (they type only fields hpcrl never sends);
 - ``srt/entrypoints/http_server.py`` is parsed for its routes and the request class each takes;
+- ``srt/utils/common.py``'s decoder of serialized tensors runs alone, with the real torch (``tensor_decoder``);
 - one function or method of any file (``Wheel.function``: ``validate_input_length``, the scheduler's
   ``init_req_max_new_tokens``, the detokenizer's ``trim_matched_stop``, ...) runs alone, with the names it
   calls given by the test, and one function's assignments (``Wheel.assignments``: ``max_req_input_len``)
@@ -109,6 +110,24 @@ class Wheel:
         return partial_module(
             f"{PACKAGE}.io_struct", self.source(member), f"{self.path}!sglang/{member}", wanted, given
         )
+
+    def tensor_decoder(self) -> types.ModuleType:
+        """``srt/utils/common.py``'s decoding of ``serialized_named_tensors``, run with the real io, pickle and torch:
+        ``normalize_serialized_named_tensor_payloads`` (the tokenizer manager's, base64 to bytes) and
+        ``MultiprocessingSerializer.deserialize`` (each tensor-parallel rank's, through ``SafeUnpickler``)."""
+        import base64
+        import binascii
+        import io
+        import pickle
+
+        import torch
+
+        pybase64 = types.SimpleNamespace(b64decode=base64.b64decode, b64encode=base64.b64encode)  # same signatures
+        given = {"io": io, "pickle": pickle, "torch": torch, "pybase64": pybase64, "binascii": binascii}
+        wanted = ["normalize_serialized_named_tensor_payloads", "MultiprocessingSerializer", "SafeUnpickler"]
+        wanted.append("_safe_load_torch_storage")  # what SafeUnpickler reads torch.storage._load_from_bytes with
+        member = "srt/utils/common.py"
+        return partial_module(f"{PACKAGE}.common", self.source(member), f"{self.path}!sglang/{member}", wanted, given)
 
     def function(self, member: str, name: str, namespace: dict[str, Any], cls: str | None = None) -> Any:
         """Function ``name`` of a wheel file (a method of class ``cls`` when given), compiled alone; at call time

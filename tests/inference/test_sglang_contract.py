@@ -3,8 +3,9 @@
 The CPU server stands in for SGLang in every other test, so a body it accepts and SGLang refuses would pass
 them all. Here the real ``InferenceClient``, a real rollout workflow and the controller's ``WeightSync``
 talk to recording servers (``test_client_fakes.FakeServer``) on every path hpcrl has: generation (a seeded
-episode, batches, a batch cut to the context), health, model info, cache flush, aborts, pause and continue,
-weight updates from disk and over the group (init, begin, buckets, end, destroy). Each recorded request is
+episode, batches, a batch cut to the context, requests naming a LoRA adapter), health, model info, cache flush,
+aborts, pause and continue, weight updates from disk and over the group (init, begin, buckets, end, destroy),
+LoRA adapters loaded from a directory and from tensors, and unloaded. Each recorded request is
 then checked against what the wheel of SGLang 0.5.23 declares (``sglang_wheel.py`` loads it without
 installing SGLang, which needs CUDA):
 
@@ -12,21 +13,29 @@ installing SGLang, which needs CUDA):
 - the body validates, as FastAPI validates it, against the route's request class (``io_struct.py``), and
   ``/generate`` also passes SGLang's JSON contract gate (``api/v1/api_types.py``'s ``GenerateRequest``);
 - no body field is one the class lacks (SGLang would ignore it silently), and a route that takes no body
-  gets none, while one that requires a body gets one.
+  gets none, while one that requires a body gets one;
+- an adapter's tensors decode, on each tensor-parallel rank, through SGLang's own decoder (``common.py``'s
+  ``MultiprocessingSerializer`` and ``SafeUnpickler``) into the tensors sent, and the client reads SGLang's
+  own ``LoRAUpdateOutput`` answers.
 
 The wheel is downloaded with pip (cached in the temp directory); when it cannot be, the tests fail saying
 so: they never skip.
 """
 
 import asyncio
+import json
+import pickle
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from hpcrl.config.schema import Config
 from hpcrl.controller.weights import WeightSync
-from hpcrl.inference.client import InferenceClient
+from hpcrl.inference.client import InferenceClient, InferenceError
+from hpcrl.inference.client_http import _reason
+from hpcrl.inference.client_lora import check_lora_update
 from hpcrl.inference.sglang_api import ENDPOINTS
 from hpcrl.models.tiny import make_tokenizer
 from hpcrl.reward.outcome import RewardOutcome
@@ -40,6 +49,15 @@ SPECS = [  # what trainers report for the tiny model: (name, dtype, shape), in p
     ("model.layers.0.self_attn.q_proj.bias", "bfloat16", [64]),
     ("model.norm.weight", "bfloat16", [64]),
 ]
+ADAPTER_CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"], "bias": "none"}
+LORA_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+LORA_B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+
+
+def adapter_tensors() -> dict[str, torch.Tensor]:
+    """A rank-2 adapter of the tiny model's q_proj, by PEFT's names, as the trainer hands it over."""
+    a = torch.linspace(-1, 1, 2 * 64, dtype=torch.bfloat16).reshape(2, 64)
+    return {LORA_A: a, LORA_B: torch.full((64, 2), 0.5, dtype=torch.bfloat16)}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +73,7 @@ def routes(wheel):
 @pytest.fixture(scope="module")
 def io_struct(wheel, routes):
     classes = sorted({routes[path]["body"] for _, path in ENDPOINTS if routes.get(path, {}).get("body")})
-    return wheel.io_struct(classes)
+    return wheel.io_struct([*classes, "LoRAUpdateOutput"])
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +134,11 @@ async def every_path(addresses: list[str], work: Path) -> None:
         await client.generate([5, 6], {"max_new_tokens": 3}, rid="episode-1-0", return_logprob=False)
         await client.generate_many([[5, 6], [7]], {"max_new_tokens": 2, "temperature": 0})
         await client.generate_many([[5] * 56, [7]], {"max_new_tokens": 10})  # one cut to the context: a list
+        await client.load_lora_adapter("policy-v1", str(work / "adapter"))
+        await client.load_lora_adapter_from_tensors("policy-v2", ADAPTER_CONFIG, adapter_tensors())
+        await client.generate([5, 6], {"max_new_tokens": 2}, lora_path="policy-v2")
+        await client.generate_many([[5, 6], [7]], {"max_new_tokens": 2}, lora_path=["policy-v2", None])
+        await client.unload_lora_adapter("policy-v1")
         await client.model_info()
         await client.flush_cache()
         await client.abort("episode-1-0")
@@ -190,9 +213,52 @@ def test_the_checks_catch_what_sglang_refuses_or_ignores(routes, io_struct, whee
         ("/pause_generation", {"mode": "stop"}, "refuses it"),
         ("/end_weight_update", None, "requires a body"),
         ("/flush_cache", {}, "reads no body here"),
+        ("/load_lora_adapter", {"lora_name": "a"}, "refuses it"),  # no lora_path
+        ("/unload_lora_adapter", {"lora_name": "a", "lora_path": "/p"}, "would ignore it silently"),
+        (
+            "/load_lora_adapter_from_tensors",
+            {"lora_name": "a", "config_dict": {}, "serialized_named_tensors": ["*"]},
+            "refuses it",
+        ),  # not base64
+        ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}, "lora_path": 3}, "refuses it"),
     ]
     for path, body, expected in bad:
         assert expected in check(routes[path], body, io_struct, api, TypeAdapter), (path, body)
+
+
+def test_an_adapters_tensors_decode_on_every_rank_through_sglangs_own_decoder(recorded, io_struct, wheel):
+    """As SGLang reads the body: FastAPI's validation (base64 to bytes), the tokenizer manager's normalisation, then
+    each tensor-parallel rank's ``MultiprocessingSerializer.deserialize`` of its own copy (``SafeUnpickler``)."""
+    from pydantic import TypeAdapter
+
+    decoder = wheel.tensor_decoder()
+    bodies = [body for _, path, body in recorded if path == "/load_lora_adapter_from_tensors"]
+    assert len(bodies) == 2, "one per server"
+    for body in bodies:
+        request = TypeAdapter(io_struct.LoadLoRAAdapterFromTensorsReqInput).validate_python(body)
+        assert (request.lora_name, request.config_dict, request.load_format) == ("policy-v2", ADAPTER_CONFIG, None)
+        payloads = decoder.normalize_serialized_named_tensor_payloads(request.serialized_named_tensors)
+        assert len(payloads) == 2, "one copy per tensor-parallel rank (tp_size 2)"
+        for rank in range(2):
+            tensors = decoder.MultiprocessingSerializer.deserialize(payloads[rank])
+            assert list(tensors) == [LORA_A, LORA_B]  # the dict SGLang's LoRA loader iterates
+            for name, sent in adapter_tensors().items():
+                assert tensors[name].dtype == torch.bfloat16 and torch.equal(tensors[name], sent), name
+    with pytest.raises(RuntimeError, match=r"Blocked unsafe global \(posix\.system\)"):  # the decoder is SGLang's
+        decoder.MultiprocessingSerializer.deserialize(pickle.dumps(__import__("os").system))
+
+
+def test_sglangs_lora_answers_are_read_and_a_failure_names_its_reason(io_struct, wheel):
+    """``LoRAUpdateOutput`` as SGLang's route writes it (``msgspec_to_builtins``): success passes; a failure (HTTP
+    400, or 200 with success false) raises naming the server and SGLang's ``error_message``."""
+    to_json = wheel.module("srt/utils/msgspec_utils.py").msgspec_to_builtins
+    loaded = io_struct.LoRAUpdateOutput(success=True, loaded_adapters={"policy-v2": "__tensor__"})
+    check_lora_update("n:1", "/load_lora_adapter", to_json(loaded))
+    why = "Failed to load LoRA adapter policy-v2 because it is already loaded"
+    refused = to_json(io_struct.LoRAUpdateOutput(success=False, error_message=why))
+    assert _reason(json.dumps(refused)) == why, "what the client's HTTP 400 error says"
+    with pytest.raises(InferenceError, match=f"^POST /load_lora_adapter on n:1 reported failure: {why}$"):
+        check_lora_update("n:1", "/load_lora_adapter", refused)
 
 
 def test_every_distributed_update_is_inside_a_weight_update_session(per_server):
