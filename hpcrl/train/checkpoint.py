@@ -11,6 +11,10 @@ Durable before it is published: every rank fsyncs the files it wrote (DCP's ``sy
 renames it and fsyncs the parent, so a node that crashes after ``save_checkpoint`` returns cannot lose a
 part of it. ``check_checkpoint`` finds what a crash or a full disk left missing or short, without loading.
 
+With LoRA (``train.lora.rank > 0``) the model part is the adapter alone, beside its optimizer state: the frozen
+base is the model directory's and is not copied into every checkpoint. ``trainer_state.json`` records the
+adapter's shape (``lora``: null for full weights), and a checkpoint loads only into a run with the same.
+
 The directory must be on a filesystem all ranks share (on a cluster: the run directory).
 """
 
@@ -23,7 +27,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from hpcrl.config.schema import LoRAConfig
 from hpcrl.rundir import fsync_dir
+from hpcrl.train import lora
 from hpcrl.train.engine import Engine, run_on_main
 
 logger = logging.getLogger(__name__)
@@ -34,17 +40,21 @@ STATE_FILE = "trainer_state.json"
 def save_checkpoint(engine: Engine, directory: str | Path) -> Path:
     """Write ``engine``'s full training state to ``directory`` (replacing one there). Collective."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model, optimizer, scheduler, info = _parts(engine)
+    _, _, scheduler, info = _parts(engine)
     final = Path(directory)
     partial = final.with_name(final.name + ".partial")
     run_on_main(info, lambda: shutil.rmtree(partial, ignore_errors=True), what=f"clearing {partial}")
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = _state_dicts(engine)
     # DCP coordinates (plans, the final barrier) over the gloo meta group, never the NCCL one
     writer = dcp.FileSystemWriter(partial, sync_files=True)  # every rank fsyncs each file it writes
     dcp.save({"model": model_state, "optim": optim_state}, storage_writer=writer, process_group=info.meta_group)
-    trainer_state = {"step": engine.step, "world_size": info.world_size, "scheduler": scheduler.state_dict()}
+    trainer_state = {
+        "step": engine.step,
+        "world_size": info.world_size,
+        "scheduler": scheduler.state_dict(),
+        "lora": _lora_record(engine.train.lora),
+    }
 
     def publish() -> None:
         write_synced(partial / STATE_FILE, json.dumps(trainer_state, indent=1))
@@ -65,7 +75,7 @@ def save_checkpoint(engine: Engine, directory: str | Path) -> Path:
 def load_checkpoint(engine: Engine, directory: str | Path) -> None:
     """Restore ``engine`` (after ``setup()``) from a checkpoint written by ``save_checkpoint``. Collective."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     model, optimizer, scheduler, info = _parts(engine)
     path = Path(directory)
@@ -76,11 +86,14 @@ def load_checkpoint(engine: Engine, directory: str | Path) -> None:
             "is an interrupted save; resume from an earlier checkpoint"
         )
     trainer_state = json.loads(state_file.read_text())
+    if problem := lora_problem(trainer_state, engine.train.lora):
+        raise ValueError(f"checkpoint {path}: {problem}")
     # get_state_dict gives correctly sharded templates (it initialises empty optimizer state first)
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = _state_dicts(engine)
     state: dict[str, Any] = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=path, process_group=info.meta_group)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    options = _options(engine)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     scheduler.load_state_dict(trainer_state["scheduler"])
     apply_settings(engine)
     engine.step = int(trainer_state["step"])
@@ -91,6 +104,58 @@ def load_checkpoint(engine: Engine, directory: str | Path) -> None:
         trainer_state["world_size"],
         info.world_size,
     )
+
+
+def lora_problem(trainer_state: dict, lora: LoRAConfig) -> str | None:
+    """Why a checkpoint (its ``trainer_state.json``, read) cannot load into a run with ``train.lora``, or None.
+
+    A LoRA checkpoint holds an adapter and no base weights; a full one holds no adapter; adapters of another
+    rank, scale or set of targets are another model. Dropout changes no weight, so it may differ."""
+    saved, ours = trainer_state.get("lora"), _lora_record(lora)  # older checkpoints: full weights, no "lora"
+    if saved == ours:
+        return None
+    if ours is None:
+        return (
+            f"it holds a LoRA adapter ({_describe(saved)}) and no full weights; this run trains full weights "
+            "(train.lora.rank=0): resume with the checkpoint's train.lora settings"
+        )
+    if saved is None:
+        return (
+            f"it holds full weights and no LoRA adapter; this run trains a LoRA adapter ({_describe(ours)}): "
+            "resume with train.lora.rank=0, or start a new run"
+        )
+    return f"its LoRA adapter is {_describe(saved)}, this run's train.lora is {_describe(ours)}: resume with the same"
+
+
+def _lora_record(lora: LoRAConfig) -> dict | None:
+    """What decides the adapter's tensors and their meaning; None for full fine-tuning."""
+    if lora.rank <= 0:
+        return None
+    return {"rank": lora.rank, "alpha": float(lora.alpha), "target_modules": sorted(lora.target_modules)}
+
+
+def _describe(record: dict) -> str:
+    return f"rank {record['rank']}, alpha {record['alpha']:g}, target_modules {record['target_modules']}"
+
+
+def _state_dicts(engine: Engine) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's and the optimizer's state dicts (sharded, as DCP saves them); with LoRA the adapters' alone."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optimizer, _, _ = _parts(engine)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_options(engine))
+    if engine.lora:  # ignore_frozen_params keeps a frozen weight tied under a second name (lm_head): drop it too
+        trainable = lora.adapter_names(model)
+        model_state = {name: tensor for name, tensor in model_state.items() if name in trainable}
+    return model_state, optim_state
+
+
+def _options(engine: Engine):
+    """With LoRA the frozen base stays out of the checkpoint; loading then sets the adapters alone (not strict:
+    the base's keys are absent by design; DCP still fails on an adapter key the checkpoint lacks)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=engine.lora, strict=not engine.lora)
 
 
 def apply_settings(engine: Engine) -> None:

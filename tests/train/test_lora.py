@@ -1,18 +1,24 @@
 """LoRA on the policy in this process (1 rank, unsharded): what trains, the targets' check, the KL reference, the
-adapter's tensors and config. Checkpoints and exports: test_lora_files.py; two FSDP2 ranks: test_engine_fsdp.py."""
+adapter's tensors and config, and what a LoRA run writes: checkpoints (the adapter and its optimizer state only),
+exports (PEFT's layout, and the merged model with export.merged) and the servers' disk sync directory. Two FSDP2
+ranks: test_engine_fsdp.py."""
 
+import json
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 from hpcrl.config.schema import Config, LoRAConfig, TrainConfig
+from hpcrl.rpc.messages import ExportWeights
 from hpcrl.train.batch import Sequence
+from hpcrl.train.checkpoint import STATE_FILE, load_checkpoint, save_checkpoint
 from hpcrl.train.dist import init_distributed
 from hpcrl.train.engine import Engine
-from hpcrl.train.lora import BaseReference, LoraAdapterRequest, lora_targets_problem
-from hpcrl.train.weight_push import push_over_group, weight_specs
+from hpcrl.train.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BaseReference, LoraAdapterRequest, lora_targets_problem
+from hpcrl.train.weight_push import push_over_group, push_to_disk, weight_specs
 
 LORA = LoRAConfig(rank=4, alpha=8.0)
 TRAIN = TrainConfig(lr=1e-2, weight_decay=0.01, micro_batch_tokens=64, lora=LORA)
@@ -161,8 +167,6 @@ def test_the_adapter_tensors_and_config_are_peft_s(make_engine):
 
 
 def test_the_trainer_rpc_hands_out_the_adapter_and_the_full_weight_group_refuses_it(make_engine):
-    import json
-
     from hpcrl.rpc.wire import decode, encode
     from hpcrl.train.service import TrainerService
 
@@ -180,3 +184,140 @@ def test_the_trainer_rpc_hands_out_the_adapter_and_the_full_weight_group_refuses
         push_over_group(engine, None)
     with pytest.raises(ValueError, match=r"train.lora.rank=0"):
         make_engine(replace(TRAIN, lora=LoRAConfig())).adapter_tensors()
+
+
+TOKENIZER_FILES = ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
+
+
+def _bytes(directory) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+def _trained(make_engine, steps: int = 2, train=TRAIN) -> Engine:
+    engine = make_engine(train)
+    for step in range(steps):
+        engine.train_step(batch(step), reinforce)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    """A model whose base weights, not the per-tensor overhead of DCP's files, make up a full checkpoint."""
+    from hpcrl.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("wide"), hidden_size=256, intermediate_size=1024)
+
+
+def test_a_lora_checkpoint_holds_the_adapter_and_its_optimizer_state_only(wide_model, dist_info, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    def saved(train, name):
+        engine = Engine(wide_model, train, dist=dist_info)
+        engine.setup()
+        engine.train_step(batch(0), reinforce)
+        return engine, save_checkpoint(engine, tmp_path / name)
+
+    engine, lora = saved(TRAIN, "lora")
+    _, full = saved(replace(TRAIN, lora=LoRAConfig()), "full")
+    ratio = _bytes(lora) / _bytes(full)
+    print(f"LoRA checkpoint {_bytes(lora)} bytes, full {_bytes(full)} bytes: {ratio:.3f}")
+    assert ratio < 0.05
+
+    metadata = dcp.FileSystemReader(lora).read_metadata().state_dict_metadata
+    adapters = {n: p for n, p in engine.model.named_parameters() if p.requires_grad}
+    assert sorted(k for k in metadata if k.startswith("model.")) == sorted(f"model.{n}" for n in adapters)
+    moments = [k for k in metadata if k.startswith("optim.state.")]
+    assert len(moments) == 3 * 28 and all(".lora_" in k for k in moments)  # step, exp_avg, exp_avg_sq per adapter
+    record = json.loads((lora / STATE_FILE).read_text())["lora"]
+    assert record == {"rank": 4, "alpha": 8.0, "target_modules": sorted(TRAIN.lora.target_modules)}
+
+
+def test_a_lora_checkpoint_resumes_exactly(make_engine, tmp_path):
+    engine = _trained(make_engine, steps=3)
+    path = save_checkpoint(engine, tmp_path / "ckpt")
+    expected = engine.train_step(batch(3), reinforce)
+    expected_state = engine.full_state_dict()
+
+    resumed = make_engine()
+    before = resumed.full_state_dict()
+    load_checkpoint(resumed, path)
+    assert resumed.step == 3
+    got = resumed.train_step(batch(3), reinforce)
+    assert got == expected  # loss, grad norm, lr and step, exactly
+    state = resumed.full_state_dict()
+    assert all(torch.equal(state[name], expected_state[name]) for name in expected_state)
+    # the base it resumed on is the model directory's, which the loaded checkpoint did not touch
+    assert all(torch.equal(state[n], before[n]) for n in before if "lora_" not in n)
+
+
+@pytest.mark.parametrize("saved_lora", [True, False])
+def test_a_checkpoint_loads_only_into_a_run_of_the_same_kind(make_engine, tmp_path, saved_lora):
+    full = replace(TRAIN, lora=LoRAConfig())
+    path = save_checkpoint(make_engine(TRAIN if saved_lora else full), tmp_path / "ckpt")
+    with pytest.raises(ValueError) as error:
+        load_checkpoint(make_engine(full if saved_lora else TRAIN), path)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"checkpoint {path}: it holds ")
+    if saved_lora:
+        assert "a LoRA adapter (rank 4, alpha 8," in message and "this run trains full weights" in message
+    else:
+        assert "full weights and no LoRA adapter" in message and "resume with train.lora.rank=0" in message
+    other_rank = replace(TRAIN, lora=replace(TRAIN.lora, rank=8))
+    if saved_lora:
+        with pytest.raises(ValueError, match=r"its LoRA adapter is rank 4, .* this run's train.lora is rank 8"):
+            load_checkpoint(make_engine(other_rank), path)
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_the_export_is_the_adapter_in_peft_layout_and_the_merged_model(make_engine, tiny_model, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.train.service import TrainerService
+
+    engine = _trained(make_engine)
+    cfg = Config()
+    cfg.export.merged = True
+    TrainerService(engine, cfg, 0).handlers()["export_weights"](ExportWeights(str(tmp_path / "final")))
+    out = tmp_path / "final"
+    # the adapter beside the base's tokenizer files (the tiny model's), no base weights or config
+    expected_files = [ADAPTER_CONFIG, ADAPTER_WEIGHTS, "merged", *TOKENIZER_FILES]
+    assert sorted(p.name for p in out.iterdir()) == sorted(expected_files)
+    assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
+    assert json.loads((out / ADAPTER_CONFIG).read_text()) == engine.adapter_config()
+
+    ids = torch.tensor([s.input_ids for s in batch(7)])
+    engine.model.eval()
+    expected = _logits(engine.model, ids)
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), out)
+    assert torch.equal(_logits(adapted, ids), expected)
+    base = _logits(AutoModelForCausalLM.from_pretrained(tiny_model), ids)
+    assert (base - expected).abs().max() > 1e-3, "the trained adapter must change the logits"
+
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged")
+    assert not any("lora" in k or "base_layer" in k or k.startswith("base_model.") for k in merged.state_dict())
+    assert (_logits(merged, ids) - expected).abs().max() < 1e-4
+    assert {"config.json", "model.safetensors", *TOKENIZER_FILES} <= {p.name for p in (out / "merged").iterdir()}
+
+
+def test_without_export_merged_there_is_no_merged_model(make_engine, tmp_path):
+    engine = make_engine()
+    out = engine.export_hf(tmp_path / "final")
+    assert {ADAPTER_CONFIG, ADAPTER_WEIGHTS, *TOKENIZER_FILES} <= {p.name for p in out.iterdir()}
+    assert not (out / "merged").exists()
+    with pytest.raises(ValueError, match=r"export\.merged applies to LoRA only"):
+        make_engine(replace(TRAIN, lora=LoRAConfig())).export_hf(tmp_path / "full", merged=True)
+
+
+def test_the_disk_sync_writes_the_adapter_alone_for_load_lora_adapter(make_engine, tmp_path):
+    engine = _trained(make_engine)
+    out = push_to_disk(engine, tmp_path / "weights" / "step_2")
+    assert sorted(p.name for p in out.iterdir()) == [ADAPTER_CONFIG, ADAPTER_WEIGHTS]  # no added_tokens.json
+    written = load_file(out / ADAPTER_WEIGHTS)
+    expected = engine.adapter_tensors()
+    assert sorted(written) == sorted(expected) and all(torch.equal(written[k], expected[k]) for k in expected)
+    assert json.loads((out / ADAPTER_CONFIG).read_text()) == engine.adapter_config()
