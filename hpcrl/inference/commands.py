@@ -1,6 +1,7 @@
 """The command line of one inference server, for each server backend (``allocation.server.backend``).
 
-Both backends speak SGLang's HTTP API; the scheduler runs the argv returned here without a shell.
+Both backends speak SGLang's HTTP API; the scheduler runs the argv returned here without a shell. With LoRA
+(``train.lora.rank`` > 0) both get SGLang's LoRA options (``sglang.lora_args``), under SGLang's names.
 """
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from hpcrl.config.schema import SERVER_BACKENDS, InferenceConfig
-from hpcrl.inference.sglang import bind_host_arg, port_arg, sglang_command
+from hpcrl.config.schema import SERVER_BACKENDS, InferenceConfig, LoRAConfig
+from hpcrl.inference.sglang import bind_host_arg, lora_args, port_arg, sglang_command
 
 
 def server_command(
@@ -25,16 +26,19 @@ def server_command(
     seed: int,
     python: str = sys.executable,
     nccl_port: int | None = None,
+    lora: LoRAConfig | None = None,
 ) -> list[str]:
     """The argv that starts one server of ``backend`` bound to ``host:port``; ``nccl_port`` is where SGLang's
-    ranks meet (``sglang_command``), which the CPU server does not have."""
+    ranks meet (``sglang_command``), which the CPU server does not have; ``lora`` (``train.lora``) with a rank
+    above 0 makes it serve adapters (None: none)."""
     build = _BUILDERS.get(backend)
     if build is None:
         raise ValueError(
             f"unknown server backend {backend!r}: expected one of {', '.join(SERVER_BACKENDS)} "
             "(allocation.server.backend)"
         )
-    return build(str(model_path), host, port, tp_size, inference, dtype, seed, python, nccl_port)
+    lora = lora or LoRAConfig()
+    return build(str(model_path), host, port, tp_size, inference, dtype, seed, python, nccl_port, lora)
 
 
 def _sglang(
@@ -47,6 +51,7 @@ def _sglang(
     seed: int,
     python: str,
     nccl_port: int | None,
+    lora: LoRAConfig,
 ) -> list[str]:
     return sglang_command(
         model_path,
@@ -60,6 +65,8 @@ def _sglang(
         python=python,
         max_running_requests=inf.max_running_requests,
         nccl_port=nccl_port,
+        lora_rank=lora.rank,
+        lora_target_modules=lora.target_modules,
     )
 
 
@@ -73,6 +80,7 @@ def _cpu(
     seed: int,
     python: str,
     nccl_port: int | None,  # unused: its ranks are child processes it talks to over pipes, with no TCP store
+    lora: LoRAConfig,
 ) -> list[str]:
     if tp_size < 1:
         raise ValueError(f"allocation.server.tp_size must be >= 1, got {tp_size}")
@@ -97,10 +105,12 @@ def _cpu(
         str(seed),
         "--tp-size",  # ranks that join the weight-update group, as SGLang's would (generation stays on one)
         str(tp_size),
+        *lora_args(lora.rank, lora.target_modules),  # SGLang's options, names and checks: it serves as SGLang does
     ]
 
 
-_BUILDERS: dict[str, Callable[[str, str, int, int, InferenceConfig, str, int, str, int | None], list[str]]] = {
+_Builder = Callable[[str, str, int, int, InferenceConfig, str, int, str, int | None, LoRAConfig], list[str]]
+_BUILDERS: dict[str, _Builder] = {
     "sglang": _sglang,
     "cpu": _cpu,
 }

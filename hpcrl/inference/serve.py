@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcrl.config.schema import InferenceConfig
+from hpcrl.config.schema import InferenceConfig, LoRAConfig
 from hpcrl.inference.client import InferenceClient
 from hpcrl.inference.commands import server_command
 from hpcrl.inference.sglang import sglang_env
@@ -41,8 +41,10 @@ def start_server(
     rank: int = 0,
     env: dict[str, str] | None = None,
     nccl_port: int | None = None,
+    lora: LoRAConfig | None = None,
 ) -> ServerProcess:
-    """Spawn one server; it is not ready until ``wait_ready`` returns. ``nccl_port``: SGLang's ``--nccl-port``."""
+    """Spawn one server; it is not ready until ``wait_ready`` returns. ``nccl_port``: SGLang's ``--nccl-port``;
+    ``lora``: ``train.lora`` (a rank above 0 makes it serve adapters)."""
     cmd = server_command(
         backend,
         model_path,
@@ -53,6 +55,7 @@ def start_server(
         dtype=dtype,
         seed=seed,
         nccl_port=nccl_port,
+        lora=lora,
     )
     child_env = {**(env or {}), "HPCRL_RANK": str(rank)}
     if backend == "sglang":

@@ -3,6 +3,8 @@
 ``sglang_command`` builds ``python -m sglang.launch_server ...`` as an argv list, with ``inference.extra_args``
 appended once ``sglang_args.launch_args`` has read them as SGLang will (abbreviations included) and found nothing
 that cannot work: a flag hpcrl sets itself, data-parallel replicas or pipeline stages, and the rest listed there.
+With LoRA (``train.lora.rank`` > 0) the server is started ready for adapters (``lora_args``), which the client
+then loads by name.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from hpcrl.config.errors import ConfigError
 from hpcrl.inference.sglang_args import launch_args
+from hpcrl.inference.sglang_flags import LORA_TARGET_MODULES
 from hpcrl.net import is_ipv6
 
 # Model loading on big clusters can take well over 5 minutes (weights from a shared filesystem,
@@ -19,6 +23,12 @@ from hpcrl.net import is_ipv6
 SGLANG_SETUP_TIMEOUT_S = 1200
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # same names in hpcrl's config and SGLang's --dtype
+
+# Adapters one running batch may mix (SGLang's --max-loras-per-batch; each is a GPU buffer of --max-lora-rank over
+# the target modules): the current policy's adapter; during an update, the previous one, still named by requests
+# that started before it (SGLang unloads an adapter only once its requests end); and the base model, which takes a
+# slot of its own when a batch holds a request naming no adapter (SGLang's /health generates one).
+MAX_LORAS_PER_BATCH = 3
 
 _PROXY_VARS = ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")
 # Addresses SGLang's start-up warm-up may dial: it requests its own --host, a wildcard included.
@@ -38,8 +48,11 @@ def sglang_command(
     *,
     max_running_requests: int | None = None,
     nccl_port: int | None = None,
+    lora_rank: int = 0,
+    lora_target_modules: Sequence[str] = (),
 ) -> list[str]:
     """The argv that starts one SGLang server; ``extra_args`` are appended verbatim, one item per argv element.
+    ``lora_rank`` > 0: ready for adapters of that rank on ``lora_target_modules`` (``lora_args``).
 
     ``nccl_port`` is where SGLang's ranks meet (the TCP store of its torch.distributed setup, on ``host``): a
     port of the server worker's own port slot. Without it SGLang draws one at random, in 22000-29999, where a
@@ -59,8 +72,23 @@ def sglang_command(
         cmd += ["--max-running-requests", str(max_running_requests)]
     if nccl_port is not None:
         cmd += ["--nccl-port", port_arg(nccl_port)]
+    cmd += lora_args(lora_rank, lora_target_modules)
     launch_args(extra_args)
     return cmd + list(extra_args)
+
+
+def lora_args(rank: int, target_modules: Sequence[str]) -> list[str]:
+    """SGLang's options for serving LoRA adapters of ``rank`` (0: none, no options) on ``target_modules`` (names
+    its --lora-target-modules takes, else ConfigError on train.lora.target_modules), loaded while it runs: no
+    adapter at start, hence the rank and the modules, which size its adapter buffers."""
+    if rank == 0:
+        return []
+    unknown = [name for name in target_modules if name not in LORA_TARGET_MODULES]
+    if unknown or not target_modules:
+        expected = f"module names SGLang's --lora-target-modules takes ({', '.join(LORA_TARGET_MODULES)})"
+        raise ConfigError("train.lora.target_modules", list(target_modules), f"{expected}, not {unknown or 'none'}")
+    cmd = ["--enable-lora", "--max-lora-rank", str(rank), "--lora-target-modules", *target_modules]
+    return [*cmd, "--max-loras-per-batch", str(MAX_LORAS_PER_BATCH)]
 
 
 def sglang_env(base_env: Mapping[str, str], bind_host: str = "") -> dict[str, str]:

@@ -7,6 +7,9 @@ option string of SGLang 0.5.23's (``sglang_flags.ACTIONS``), so each abbreviatio
 SGLang, and refuses, before any server starts (``ConfigError`` on ``inference.extra_args``):
 
 - the options hpcrl passes itself (``MANAGED``): SGLang would keep whichever comes last;
+- SGLang's LoRA options that hpcrl passes itself when ``train.lora.rank`` > 0 (``LORA_MANAGED``), and
+  ``--lora-paths``: refused with LoRA off too, where hpcrl's requests name no adapter, so that an adapter or
+  LoRA buffers SGLang would set up serve nothing;
 - data-parallel replicas (``--dp-size`` above 1 without ``--enable-dp-attention``) and pipeline stages
   (``--pp-size`` above 1), with either weight sync: SGLang would start ``dp x pp x tp_size`` GPUs' ranks, and a
   server worker owns ``allocation.server.tp_size`` GPUs. With ``train.weight_sync=distributed`` SGLang also
@@ -59,6 +62,15 @@ MANAGED: dict[str, str] = {
     # from the server worker's own port slot, free on its node; a fixed port would collide on a shared node
     "--nccl-port": "cluster.net.port_min / port_max",
 }
+# SGLang's LoRA options that hpcrl sets from train.lora (sglang.lora_args), or that would load an adapter no request
+# of the run names -> what to do instead
+LORA_MANAGED: dict[str, str] = {
+    "--enable-lora": "set train.lora.rank > 0 instead",
+    "--max-lora-rank": "set train.lora.rank instead",
+    "--lora-target-modules": "set train.lora.target_modules instead",
+    "--max-loras-per-batch": "hpcrl sizes it for the current adapter, the previous one during an update and the base",
+    "--lora-paths": "an adapter loaded at start-up would serve no request of the run",
+}
 EAGLE_FAMILY = ("EAGLE", "EAGLE3", "NEXTN", "FROZEN_KV_MTP")  # SGLang upper-cases the name; NEXTN is EAGLE's alias
 DRAFT_SIZES = ("--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens")
 
@@ -99,6 +111,11 @@ _READ: dict[str, dict[str, Any]] = {
     "--config": {},
     "-h": {"action": "store_const", "const": True},
     **{flag: {} for flag in MANAGED},  # refused whatever the value, so any value parses
+    "--enable-lora": {"action": "store_const", "const": True},
+    "--max-lora-rank": {},
+    "--lora-target-modules": {"nargs": "*"},
+    "--max-loras-per-batch": {},
+    "--lora-paths": {"nargs": "*"},
 }
 _SPELLINGS = {strings[0]: strings for strings in ACTIONS}
 _ALL_SPELLINGS = frozenset(s for strings in ACTIONS for s in strings)
@@ -223,6 +240,13 @@ def _check_refused(args: list[str], given: dict[str, Any]) -> None:
                 args,
                 f"no {written}: hpcrl passes {flag} to SGLang itself, and SGLang would silently keep the last one; "
                 f"set {setting} instead",
+            )
+    for flag, instead in LORA_MANAGED.items():
+        if flag in given:
+            _refuse(
+                args,
+                f"no {_written(args, flag)}: hpcrl passes SGLang's LoRA options itself when train.lora.rank > 0 and "
+                f"loads the adapter it trains, which its requests name; {instead}",
             )
     if "-h" in given:
         _refuse(args, f"no {_written(args, '-h')}: SGLang would print its help and exit instead of serving")

@@ -4,7 +4,7 @@ One line per option: its option strings, the first being the one SGLang document
 against all of them (argparse takes any prefix that no other option string shares), so ``sglang_args`` parses
 ``inference.extra_args`` over this whole list, not only over the options hpcrl reads. It is data read from the
 pinned wheel: tests/inference/test_sglang_args.py builds SGLang's own parser from the wheel and fails, printing
-the lines to put here, when they differ.
+the lines to put here, when they differ. ``LORA_TARGET_MODULES`` are the values one option takes, read likewise.
 """
 
 ACTIONS: tuple[tuple[str, ...], ...] = tuple(
@@ -543,4 +543,12 @@ ACTIONS: tuple[tuple[str, ...], ...] = tuple(
 --weight-loader-prefetch-num-threads
 --weight-version
 """.strip().splitlines()
+)
+
+# The values SGLang 0.5.23's --lora-target-modules takes (``choices``: SUPPORTED_LORA_TARGET_MODULES and "all", of
+# srt/utils/common.py); test_sglang_args.py checks them against the wheel's parser.
+LORA_TARGET_MODULES: tuple[str, ...] = (
+    *("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "wq_b"),
+    *("wk", "weights_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj", "embed_tokens"),
+    *("lm_head", "qkvr", "wo_ud", "all"),
 )

@@ -121,6 +121,7 @@ def serve(cfg: Config, run_dir: RunDir, rank: int, signals: _Signals) -> int:
         rank=rank,
         env={**cfg.cluster.env, **resources.env},
         nccl_port=nccl_port,
+        lora=cfg.train.lora,
     )
     try:
         try:

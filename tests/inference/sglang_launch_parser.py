@@ -5,7 +5,8 @@ The parser is built from the parts that register options, run as SGLang runs the
 
 - the field classes of ``_INPUT_NAMESPACES`` (``srt/arg_groups/fields/*.py``), each module run on its own, with
   SGLang's real ``arg_utils`` (stdlib and msgspec only), ``argparse_actions`` and ``choices``, its real
-  ``human_readable_int`` (the type of ``--context-length``) and stand-ins for the other names it imports;
+  ``human_readable_int`` (the type of ``--context-length``), its lists of LoRA target modules (the choices of
+  ``--lora-target-modules``) and stand-ins for the other names it imports;
 - SGLang's own ``add_cli_args_from_dataclass`` over each class, as ``add_cli_args`` calls it over ``ServerArgs``
   (which is assembled from exactly these classes);
 - the ``parser.add_argument(...)`` statements of ``add_cli_args`` itself (dynamic choices, ``--config``, the
@@ -109,10 +110,17 @@ def human_readable_int(wheel: Wheel) -> Any:
     return space["human_readable_int"]
 
 
+def lora_targets(wheel: Wheel) -> dict[str, Any]:
+    """``SUPPORTED_LORA_TARGET_MODULES`` and ``LORA_TARGET_ALL_MODULES`` of ``srt/utils/common.py`` (literals)."""
+    names = ["SUPPORTED_LORA_TARGET_MODULES", "LORA_TARGET_ALL_MODULES"]
+    space = wheel.assignments("srt/utils/common.py", None, names, {})
+    return {name: space[name] for name in names}
+
+
 def launch_parser(wheel: Wheel) -> Parser:
     """A parser holding every option ``sglang.launch_server`` accepts, registered by SGLang's own code."""
     tree = ast.parse(wheel.source(SERVER_ARGS))
-    given = {"human_readable_int": human_readable_int(wheel)}
+    given = {"human_readable_int": human_readable_int(wheel), **lora_targets(wheel)}
     arg_utils = wheel.module(REAL["sglang.srt.arg_groups.arg_utils"])
     parser = Parser(prog="sglang serve")  # prepare_server_args's parser: argparse's defaults, -h/--help included
     for cls in _input_namespaces(tree, wheel, given):

@@ -5,7 +5,7 @@ import logging
 import pytest
 
 from hpcrl.config import ConfigError
-from hpcrl.config.schema import InferenceConfig
+from hpcrl.config.schema import LORA_TARGETS, InferenceConfig, LoRAConfig
 from hpcrl.inference.commands import server_command
 from hpcrl.inference.sglang import SGLANG_SETUP_TIMEOUT_S, sglang_command, sglang_env
 
@@ -13,7 +13,12 @@ PY = "/opt/venv/bin/python"
 
 
 def command(
-    backend: str, host: str = "0.0.0.0", tp_size: int = 1, nccl_port: int | None = None, **inference
+    backend: str,
+    host: str = "0.0.0.0",
+    tp_size: int = 1,
+    nccl_port: int | None = None,
+    lora: LoRAConfig | None = None,
+    **inference,
 ) -> list[str]:
     return server_command(
         backend,
@@ -26,6 +31,7 @@ def command(
         seed=7,
         python=PY,
         nccl_port=nccl_port,
+        lora=lora,
     )
 
 
@@ -192,6 +198,54 @@ def test_cpu_server_takes_a_tensor_parallel_size_and_not_sglangs_extra_args(capl
         cmd = command("cpu", extra_args=["--enable-metrics"])
     assert "--enable-metrics" not in cmd
     assert caplog.records == [], "the run says it once, on the console (config/applies.py), not in the worker's log"
+
+
+@pytest.mark.parametrize("backend", ["sglang", "cpu"])
+def test_lora_makes_both_backends_serve_adapters_with_sglangs_options(backend):
+    cmd = command(backend, lora=LoRAConfig(rank=8), extra_args=["--enable-metrics"] if backend == "sglang" else [])
+    start = cmd.index("--enable-lora")
+    assert cmd[start:] == [
+        "--enable-lora",
+        "--max-lora-rank", "8",
+        "--lora-target-modules", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+        "--max-loras-per-batch", "3",  # the current adapter, the previous one during an update, the base model
+        *(["--enable-metrics"] if backend == "sglang" else []),
+    ]  # fmt: skip
+    assert cmd[start + 4 : start + 11] == LORA_TARGETS
+    assert cmd[:start] == command(backend, extra_args=[])[:start], "the rest of the command is as without LoRA"
+    assert "--enable-lora" not in command(backend, lora=LoRAConfig(rank=0, target_modules=["nothing"]))
+
+
+@pytest.mark.parametrize("backend", ["sglang", "cpu"])
+def test_lora_targets_sglang_does_not_take_are_refused_before_launch(backend):
+    with pytest.raises(ConfigError, match=r"--lora-target-modules takes \(q_proj, .*\), not \['c_attn'\]") as info:
+        command(backend, lora=LoRAConfig(rank=4, target_modules=["q_proj", "c_attn"]))
+    assert info.value.path == "train.lora.target_modules"
+
+
+@pytest.mark.parametrize("rank", [0, 8])
+@pytest.mark.parametrize(
+    ("extra", "written", "instead"),
+    [
+        (["--enable-lora"], "--enable-lora", "set train.lora.rank > 0 instead"),
+        (["--max-lora-r", "16"], "--max-lora-r (--max-lora-rank)", "set train.lora.rank instead"),
+        (["--lora-target", "q_proj", "v_proj"], "--lora-target (--lora-target-modules)", "train.lora.target_modules"),
+        (["--max-loras-per-batch=2"], "--max-loras-per-batch", "hpcrl sizes it for the current adapter"),
+        (["--lora-paths", "a=/adapters/a"], "--lora-paths", "would serve no request of the run"),
+    ],
+)
+def test_extra_args_setting_sglangs_lora_options_are_refused_with_lora_on_or_off(rank, extra, written, instead):
+    with pytest.raises(ConfigError) as info:
+        command("sglang", lora=LoRAConfig(rank=rank), extra_args=["--enable-metrics", *extra])
+    message = str(info.value)
+    assert info.value.path == "inference.extra_args" and "\n" not in message
+    assert f"no {written}: hpcrl passes SGLang's LoRA options itself when train.lora.rank > 0" in message
+    assert instead in message
+
+
+def test_extra_args_tuning_sglangs_lora_serving_are_passed_on():
+    extra = ["--lora-backend", "triton", "--max-loaded-loras", "4", "--lora-eviction-policy", "fifo"]
+    assert command("sglang", lora=LoRAConfig(rank=8), extra_args=extra)[-len(extra) :] == extra
 
 
 def test_unknown_backend_is_named():

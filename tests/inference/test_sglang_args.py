@@ -6,8 +6,11 @@ import json
 import pytest
 
 from hpcrl.config import ConfigError
+from hpcrl.config.schema import LORA_TARGETS
+from hpcrl.inference.sglang import MAX_LORAS_PER_BATCH, sglang_command
 from hpcrl.inference.sglang_args import (
     _READ,
+    LORA_MANAGED,
     MANAGED,
     _dest,
     _parser,
@@ -15,7 +18,7 @@ from hpcrl.inference.sglang_args import (
     launch_args,
     served_context,
 )
-from hpcrl.inference.sglang_flags import ACTIONS
+from hpcrl.inference.sglang_flags import ACTIONS, LORA_TARGET_MODULES
 from tests.inference import sglang_launch_parser as sglang
 from tests.inference.sglang_wheel import Wheel, fetch_wheel
 
@@ -48,8 +51,20 @@ def test_the_options_hpcrl_reads_take_their_values_as_in_sglang(sglang_parser):
         action = theirs[flag]
         takes_none = "const" in how
         assert (action.nargs == 0) == takes_none, flag
-        if not takes_none and flag not in MANAGED:
+        if not takes_none and flag not in MANAGED and flag not in LORA_MANAGED:
             assert getattr(action.type, "__name__", action.type) == how.get("type", str).__name__, flag
+
+
+def test_hpcrls_lora_options_read_as_sglang_reads_them(sglang_parser):
+    """What SGLang makes of a LoRA server's command: LoRA on, its rank, the modules and the batch's adapters."""
+    lora_targets = sglang_parser._option_string_actions["--lora-target-modules"].choices
+    assert list(LORA_TARGET_MODULES) == lora_targets, "hpcrl/inference/sglang_flags.py's LORA_TARGET_MODULES"
+    cmd = sglang_command("/m", "::", 1, lora_rank=16, lora_target_modules=LORA_TARGETS, extra_args=["--max-total-t=9"])
+    theirs = sglang_parser.parse_args(cmd[3:])
+    assert (theirs.enable_lora, theirs.max_lora_rank, theirs.max_loras_per_batch) == (True, 16, MAX_LORAS_PER_BATCH)
+    assert theirs.lora_target_modules == LORA_TARGETS and theirs.max_total_tokens == 9
+    with pytest.raises(sglang.ParseError, match="invalid choice: 'c_attn'"):  # what hpcrl refuses before launch
+        sglang_parser.parse_args(["--model-path", "/m", "--lora-target-modules", "c_attn"])
 
 
 @pytest.mark.parametrize(
