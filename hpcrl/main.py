@@ -8,7 +8,9 @@ each job of the sweep), refuses one where an earlier run left steps unless ``rec
 the Slurm job was requeued) resumes it, runs the job (``hpcrl.controller.job``) and
 ends with one JSON line on stdout, also written to ``<run dir>/summary.json``: steps, wall_s,
 eval_accuracy_before, eval_accuracy_after, run_dir, final_model (and resumed_from_step when ``recover.mode=auto``
-resumed from a checkpoint). With ``-m hydra/launcher=submitit_slurm`` the same function runs as a Slurm job; the
+resumed from a checkpoint). ``run.max_steps=0`` evaluates model.path instead, training nothing
+(``hpcrl.controller.eval_only``: its summary has steps 0, eval_accuracy, eval_rows, evaluated_model, wall_s,
+run_dir). With ``-m hydra/launcher=submitit_slurm`` the same function runs as a Slurm job; the
 config is checked in the submitting process first, which says where the runs go and prints their summaries
 at the end (``hpcrl.config.hydra.ValidateBeforeLaunch``); a failed job's last lines of stderr are printed after
 submitit's report (``report_failed_job``).
@@ -82,6 +84,7 @@ def run(dcfg: DictConfig) -> None:
         where = f"written to {written}" if written else f"not written: {run_dir.config_file} stays the run's config"
         log.info("run.dry_run=true: the config is valid and %s; nothing was started", where)
         return
+    from hpcrl.controller.eval_only import run_eval_only
     from hpcrl.controller.job import run_job
     from hpcrl.controller.preempt import Preempted, PreemptionGuard
 
@@ -90,7 +93,8 @@ def run(dcfg: DictConfig) -> None:
     try:
         with PreemptionGuard() as guard:
             try:
-                summary = run_job(cfg, run_dir, guard)
+                # run.max_steps=0: evaluation only, the servers and the reward, nothing trained
+                summary = run_eval_only(cfg, run_dir) if cfg.run.max_steps == 0 else run_job(cfg, run_dir, guard)
             except Preempted as e:  # every worker is stopped by now; the checkpoint is complete
                 log.warning("%s: requeueing the job, which resumes from there", e)
                 guard.requeue()

@@ -160,6 +160,17 @@ RULES: tuple[Rule, ...] = (
     # a site's cluster file sizes its controller job for when it is submitted: only a key given is reported
     Rule(("cluster.controller",), _CONTROLLER_JOB, f"-m {_SUBMITIT}", from_files=False),
     Rule(_keys("allocation.critic", "backend gpus_per_worker tp_size nodes"), _CRITIC, "algorithm=ppo"),
+    # evaluation only (run.max_steps=0, controller/eval_only.py) starts the servers and the reward, trains nothing
+    Rule(
+        (
+            *("train", "algorithm", "allocation.trainer", "allocation.critic", "checkpoint", "export", "recover"),
+            *("metrics", "eval.every_steps", "eval.stop_at_accuracy", "model.critic_path"),
+            *_keys("rollout", "prompts_per_step temperature max_staleness max_rejected_in_a_row workers"),
+        ),
+        positive("run.max_steps"),
+        "run.max_steps >= 1 (training)",
+        from_files=False,
+    ),
     # the shorthand replaces the roles (checks.resolve_allocation): an allocation file's roles are what it replaces
     Rule(_keys("allocation", "server trainer critic"), _NO_SPEC, "no allocation.spec", from_files=False),
 )
@@ -299,7 +310,9 @@ def unused_line(found: Sequence[Unused]) -> str:
 
 def notes(cfg: Config) -> list[str]:
     """Settings that apply, but not as written: one line each, saying what the run does instead."""
-    out = []
+    out: list[str] = []
+    if cfg.run.max_steps == 0:  # evaluation only: no trainer, no checkpoint
+        return out
     dtype = cfg.model.dtype
     if dtype == "float16":  # train/engine.py's mixed precision: bfloat16 on a CUDA device that has it, else float32
         why = "float16 training needs loss scaling, which hpcrl's trainer does not do"

@@ -80,7 +80,8 @@ def check_run(run: RunConfig) -> None:
         value = getattr(run, name)
         ok = bool(value) and os.path.sep not in value and value not in (".", "..")
         require(ok, f"run.{name}", value, "a non-empty name without '/'")
-    require(run.max_steps >= 1, "run.max_steps", run.max_steps, "an integer >= 1")
+    steps = run.max_steps
+    require(steps >= 0, "run.max_steps", steps, "an integer >= 0 (0 = evaluate model.path only, train nothing)")
     one_of("run.log_level", run.log_level, ("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
@@ -346,7 +347,7 @@ def check_lora_critic(cfg: Config) -> None:
 def check_schedule(cfg: Config) -> None:
     """A cosine schedule decays after its warm-up, within the run (both in run steps)."""
     t, steps = cfg.train, cfg.run.max_steps
-    if t.lr_schedule == "cosine" and t.warmup_steps >= steps:
+    if steps and t.lr_schedule == "cosine" and t.warmup_steps >= steps:  # 0 steps: no schedule runs
         expected = f"fewer than run.max_steps={steps} with train.lr_schedule=cosine (it decays after the warm-up)"
         raise ConfigError("train.warmup_steps", t.warmup_steps, expected)
 

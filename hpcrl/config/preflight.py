@@ -56,7 +56,7 @@ def preflight(cfg: Config) -> None:
     """Raise ConfigError for a missing model directory, dataset file or logger package (``warn_tiny_task_settings``
     is separate: it is called once logging is set up)."""
     if cfg.model.source == "local":
-        check_model_dir(cfg.model.path)
+        check_model_path(cfg.model.path, evaluate_only=cfg.run.max_steps == 0)
     for key in ("train_files", "eval_files"):
         check_data_files(f"dataset.{key}", getattr(cfg.dataset, key))
     template = cfg.workflow.chat_template
@@ -106,7 +106,8 @@ def check_data(cfg: Config, rewards: RewardFns) -> tuple[int, int]:
             rows[key] += shape.rows or 0
     if d.eval_files:
         return rows["train_files"], rows["eval_files"]
-    problem = holdout_problem(rows["train_files"], d.holdout, cfg.rollout.prompts_per_step)
+    batch = cfg.rollout.prompts_per_step if cfg.run.max_steps else 1  # evaluation only trains on no batch
+    problem = holdout_problem(rows["train_files"], d.holdout, batch)
     if problem:
         raise ConfigError("dataset.holdout", d.holdout, problem)
     return rows["train_files"] - d.holdout, d.holdout
@@ -161,10 +162,35 @@ def model_context(cfg: Config) -> tuple[int, str]:
     launch = launch_args(extra)
     given = "--context-length in inference.extra_args" if launch.context_length is not None else ""
     if cfg.model.source == "local":
-        path = Path(cfg.model.path).expanduser().absolute()
+        path = evaluated_model_dir(cfg.model.path)
         return served_context(path, extra), given or str(path / CONFIG_FILE)
     made = f"the tiny model is made with max_position_embeddings={MAX_POSITIONS}"
     return (launch.context_length or MAX_POSITIONS) - launch.reserved_tokens, given or made
+
+
+def evaluated_model_dir(path: str) -> Path:
+    """The directory whose config.json describes model.path's model: itself, or a checkpoint's run's model."""
+    from hpcrl.train.checkpoint_model import checkpoint_base_model, is_checkpoint
+
+    return checkpoint_base_model(path) if is_checkpoint(path) else Path(path).expanduser().absolute()
+
+
+def check_model_path(path: str, evaluate_only: bool) -> None:
+    """model.path: a model directory; for evaluation only (run.max_steps=0), a run's checkpoint too."""
+    from hpcrl.train.checkpoint_model import checkpoint_problem, is_checkpoint
+
+    if not is_checkpoint(path):
+        check_model_dir(path)
+        return
+    if not evaluate_only:
+        expected = (
+            "a Hugging Face model directory, not a run's checkpoint: evaluate one with run.max_steps=0, or go on "
+            "training its run with recover.mode=auto (and that run's run.experiment and run.trial)"
+        )
+        raise ConfigError("model.path", path, expected)
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise ConfigError("model.path", path, f"a complete checkpoint of a run: {problem}")
 
 
 def check_model_dir(path: str) -> None:
@@ -210,9 +236,14 @@ def check_data_files(key: str, files: list[str]) -> None:
 
 
 def tiny_task_settings_in_force(cfg: Config) -> list[str]:
-    """``key=value (why)`` for each of the default job's settings ``cfg`` keeps."""
+    """``key=value (why)`` for each of the default job's settings ``cfg`` keeps (of those that apply: evaluation
+    only has no learning rate)."""
+    from hpcrl.config.applies import failed_rule
+
     kept = []
     for key, value, why in TINY_TASK_SETTINGS:
+        if failed_rule(key, cfg) is not None:
+            continue
         node: object = cfg
         for part in key.split("."):
             node = getattr(node, part)

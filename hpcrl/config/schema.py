@@ -21,7 +21,7 @@ class RunConfig:
     experiment: str = "default"  # experiment name: the run directory is <root>/<experiment>/<trial>
     trial: str = "run"  # trial name (conf/config.yaml makes it a timestamp); set it to resume a run
     seed: int = 0  # seed for data order, sampling and model init
-    max_steps: int = 200  # step budget: the run stops after this many train steps
+    max_steps: int = 200  # step budget: the run stops after this many train steps; 0 = only evaluate model.path
     log_level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR
     dry_run: bool = False  # validate, print the config and stop; writes a new run's config.yaml, submits nothing
 

@@ -15,6 +15,19 @@ async def greedy_accuracy(
     client: InferenceClient, tokenizer: Any, rows: list[dict[str, Any]], rewards: Any, max_new_tokens: int
 ) -> float:
     """Mean reward of greedy completions (for 0/1 rewards: the fraction answered correctly)."""
+    scored = await greedy_scored(client, tokenizer, rows, rewards, max_new_tokens)
+    return mean_reward([reward for _, reward in scored])
+
+
+def mean_reward(rewards: list[float | None]) -> float:
+    """The accuracy of scored rows: their mean reward, a row the reward could not score (None) counting 0."""
+    return statistics.fmean(r if r is not None else 0.0 for r in rewards)
+
+
+async def greedy_scored(
+    client: InferenceClient, tokenizer: Any, rows: list[dict[str, Any]], rewards: Any, max_new_tokens: int
+) -> list[tuple[str, float | None]]:
+    """Each row's greedy completion and its reward (None where the reward could not score it), in row order."""
     params = {"max_new_tokens": max_new_tokens, "temperature": 0.0}
 
     async def one(row: dict[str, Any]) -> str:
@@ -26,7 +39,7 @@ async def greedy_accuracy(
     outcomes = await rewards.score(
         [(r["prompt"], c, r["answer"], r.get("columns") or {}) for r, c in zip(rows, completions, strict=True)]
     )
-    return statistics.fmean(o.value if o.value is not None else 0.0 for o in outcomes)
+    return [(c, o.value) for c, o in zip(completions, outcomes, strict=True)]
 
 
 async def controller_accuracy(
@@ -36,4 +49,4 @@ async def controller_accuracy(
     episodes = [Episode.of(r["prompt"], r["answer"], tokenizer, columns=r.get("columns")) for r in rows]
     results = await asyncio.gather(*(controller.run(e) for e in episodes))
     outcomes = await rewards.score([e.scored(r.text) for e, r in zip(episodes, results, strict=True)])
-    return statistics.fmean(o.value if o.value is not None else 0.0 for o in outcomes)
+    return mean_reward([o.value for o in outcomes])

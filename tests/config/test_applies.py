@@ -263,6 +263,34 @@ def test_a_key_given_where_it_does_not_apply_is_refused_in_one_line(override, ex
     assert expected in str(refused.value) and "\n" not in str(refused.value)
 
 
+@pytest.mark.parametrize(
+    "override",
+    [
+        "train.lr=1e-4",
+        "algorithm.group_size=4",
+        "checkpoint.every_steps=5",
+        "rollout.temperature=0.7",
+        "eval.stop_at_accuracy=0.5",
+        "recover.mode=auto",
+    ],
+)
+def test_evaluation_only_refuses_a_training_setting_given_beside_it(override):
+    key = override.split("=")[0]
+    expected = f"run.max_steps >= 1 (training) beside it: {key} counts only with run.max_steps > 0 (run.max_steps is 0)"
+    compose_config([override])  # taken by a training run
+    with pytest.raises(ConfigError) as refused:
+        compose_config(["run.max_steps=0", override])
+    assert expected in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_evaluation_only_takes_what_it_uses_and_warns_of_no_training_setting():
+    cfg = compose_config(
+        ["run.max_steps=0", "rollout.max_new_tokens=4", "dataset.eval_size=50", "model.dtype=bfloat16"]
+    )
+    assert (cfg.rollout.max_new_tokens, cfg.dataset.eval_size) == (4, 50)
+    assert notes(cfg) == []  # the trainers' dtype note is a training run's
+
+
 def test_a_key_given_where_it_applies_is_taken():
     cfg = compose_config(["workflow.name=multi_turn", "workflow.max_turns=3", "allocation.trainer.workers=2"])
     assert (cfg.workflow.max_turns, cfg.allocation.trainer.workers) == (3, 2)

@@ -147,7 +147,7 @@ def test_multirun_fails_before_the_launcher_submits(main_cli, tmp_path):
         (["model.tiny.num_heads=3"], "model.tiny.num_heads", "a divisor of hidden_size=128"),
         (["dataset=files"], "dataset.train_files", "files for name=files"),
         (["run.trial=a/b"], "run.trial", "without '/'"),
-        (["run.max_steps=0"], "run.max_steps", "an integer >= 1"),
+        (["run.max_steps=-1"], "run.max_steps", "an integer >= 0 (0 = evaluate model.path only, train nothing)"),
         (["algorithm.advantage=gae"], "allocation.critic.workers", "an integer >= 1 with algorithm.advantage=gae"),
         (["allocation.critic.workers=1"], "allocation.critic.workers", "0 with algorithm.advantage=group_norm"),
         (["algorithm=reinforce_pp", "model.critic_path=/x"], "model.critic_path", '"" without a critic'),

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from hpcrl.config import ConfigError
-from hpcrl.config.preflight import check_model_dir
+from hpcrl.config.preflight import check_model_dir, check_model_path
 from tests.config.test_options import one_error_line, run_module
 from tests.conftest import run_main
 
@@ -169,3 +169,33 @@ def test_a_dry_run_says_how_the_data_is_split(tmp_path):
         "INFO hpcrl.main: dataset: 250 rows in dataset.train_files: 200 to train on, 50 held out for evaluation "
         "(dataset.holdout=50, drawn with run.seed; dataset.eval_files sets held-out rows of their own)"
     ) in result.stderr
+
+
+def test_a_checkpoint_as_model_path_is_evaluated_only_and_only_whole(tiny_model, tmp_path):
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_000004"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text(json.dumps({"step": 4, "world_size": 1, "scheduler": {}}))
+    (run / "config.yaml").write_text(f"model:\n  path: {tiny_model}\n")
+    with pytest.raises(ConfigError) as err:  # training from it: that is a resume of its run
+        check_model_path(str(step), evaluate_only=False)
+    assert "not a run's checkpoint: evaluate one with run.max_steps=0, or go on training" in err.value.expected
+    with pytest.raises(ConfigError) as err:  # no tensors: DCP's metadata is missing
+        check_model_path(str(step), evaluate_only=True)
+    assert err.value.expected.startswith("a complete checkpoint of a run: an incomplete checkpoint: the tensors' meta")
+    (run / "config.yaml").unlink()
+    with pytest.raises(ConfigError, match="is not at"):
+        check_model_path(str(step), evaluate_only=True)
+    check_model_path(str(tiny_model), evaluate_only=True)  # a model directory is evaluated as it is
+
+
+def test_evaluation_only_holds_out_rows_without_a_training_batch_left(tmp_path):
+    from hpcrl.config.preflight import data_line
+    from tests.config.compose import load
+
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(250)))
+    files = ["dataset=files", f"dataset.train_files=[{data}]", "dataset.prompt_column=question"]
+    with pytest.raises(ConfigError, match="fewer than one batch"):  # a training run needs 64 rows left
+        data_line(load(*files))
+    assert "50 to train on, 200 held out" in data_line(load(*files, "run.max_steps=0"))

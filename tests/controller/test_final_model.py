@@ -38,10 +38,11 @@ def greedy_accuracy_of(model_dir, rows) -> float:
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
-    """A short default job that exports every 2 steps: (summary, run directory)."""
+    """A short default job that exports every 2 steps and checkpoints every 3: (summary, run directory)."""
     tmp = tmp_path_factory.mktemp("final")
     overrides = ["run.trial=final", f"run.max_steps={STEPS}", "eval.every_steps=3", "eval.stop_at_accuracy=0"]
     overrides += [f"dataset.eval_size={EVAL_SIZE}", "rollout.prompts_per_step=32", "export.every_steps=2"]
+    overrides += ["checkpoint.every_steps=3"]
     result = run_job(tmp, *overrides)
     return summary_of(result), tmp / "default" / "final"
 
@@ -101,3 +102,29 @@ def test_the_controller_log_has_a_line_per_step_and_per_evaluation(finished):
     evaluations = re.findall(r"evaluation at step (\d+): held-out greedy accuracy ([\d.]+)", log)
     assert [int(s) for s, _ in evaluations] == [3, 6]
     assert float(evaluations[-1][1]) == pytest.approx(summary["eval_accuracy_after"], abs=5e-4)
+
+
+def evaluate_only(root, trial: str, model_path) -> dict:
+    """``run.max_steps=0`` on ``model_path`` with the fixture run's held-out set: its summary."""
+    overrides = ["run.max_steps=0", "model=local", f"model.path={model_path}", f"dataset.eval_size={EVAL_SIZE}"]
+    return summary_of(run_job(root, f"run.trial={trial}", *overrides))
+
+
+@pytest.mark.slow
+def test_evaluation_only_measures_a_final_model_and_a_checkpoint_as_their_run_did(finished, tmp_path):
+    import json
+
+    summary, run_dir = finished
+    final = evaluate_only(tmp_path, "final", run_dir / "final")
+    assert final["steps"] == 0 and final["eval_rows"] == EVAL_SIZE
+    assert final["eval_accuracy"] == summary["eval_accuracy_after"]
+    assert final["evaluated_model"] == str(run_dir / "final")
+    eval_dir = tmp_path / "default" / "final"
+    samples = [json.loads(line) for line in (eval_dir / "eval_samples.jsonl").read_text().splitlines()]
+    assert len(samples) == EVAL_SIZE
+    assert sum(s["reward"] for s in samples) / EVAL_SIZE == final["eval_accuracy"]
+    assert all(mod10(s["prompt"], s["completion"], s["answer"]) == s["reward"] for s in samples)
+    assert sorted(p.name for p in (eval_dir / "logs").iterdir() if p.name.startswith("trainer")) == []
+    # a checkpoint: the model of step 3, as that step's evaluation measured it (not the final one's)
+    step3 = evaluate_only(tmp_path, "step3", run_dir / "checkpoints" / "step_000003")
+    assert step3["eval_accuracy"] == metrics_of(run_dir)[2]["eval_accuracy"] != summary["eval_accuracy_after"]
