@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 ADAPTER_CONFIG = "adapter_config.json"  # PEFT's file names (peft.utils.constants), which SGLang reads too
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+INIT_SEED = 0  # the adapters' initial draw, the same on every rank and in every run of a model
 
 
 def peft_config(lora: LoRAConfig, base_path: str | Path = ""):
@@ -85,12 +86,18 @@ def lora_targets_problem(model: str | Path | Any, targets: list[str]) -> str | N
 def wrap(model: nn.Module, lora: LoRAConfig, base_path: str | Path) -> nn.Module:
     """``model`` as a peft model with ``lora``'s adapters, every other weight frozen; ValueError (one line) for a
     target that matches nothing. Call it before ``fully_shard``: FSDP2 then shards adapters and frozen weights
-    alike and reduces the gradients of the adapters only."""
+    alike and reduces the gradients of the adapters only.
+
+    The adapters' random start (``lora_A``; ``lora_B`` is zero) is drawn from ``INIT_SEED`` on the CPU, whatever
+    the process drew before: every rank shards its own copy, and copies drawn apart would be pieces of different
+    adapters. The caller's random state is left as it was."""
     from peft import get_peft_model
 
     if problem := targets_problem(model, lora.target_modules):
         raise ValueError(problem)
-    return get_peft_model(model, peft_config(lora, base_path))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(INIT_SEED)
+        return get_peft_model(model, peft_config(lora, base_path))
 
 
 def is_peft(model: nn.Module) -> bool:

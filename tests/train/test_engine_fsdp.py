@@ -1,4 +1,4 @@
-"""Real torchrun, 2 ranks on CPU (gloo) against 1: FSDP2 equivalence, uneven ranks, resume, HF export.
+"""Real torchrun, 2 ranks on CPU (gloo) against 1: FSDP2 equivalence, uneven ranks, resume, HF export, LoRA.
 
 ``scripts/fsdp_engine.py`` does the training and writes state dicts and metrics; four launches (1 rank
 train, 2 ranks train, 2 ranks resume, 1 rank resume) are shared by every test here and take about a minute.
@@ -63,6 +63,45 @@ def test_two_ranks_train_like_one_process_on_the_whole_batch(runs, kind):
         # grad_norm would differ by the world size if FSDP's mean over ranks were left in place
         for key in ("loss", "grad_norm", "lr", "tokens", "loss_tokens", "sequences"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+
+
+def _base_name(peft_name: str) -> str:
+    """The model directory's name of a weight of the peft model (``base_model.model.`` and ``.base_layer`` off)."""
+    return peft_name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def test_two_ranks_train_the_lora_adapters_like_one_process_and_leave_the_base_alone(runs):
+    model, out = runs
+    single, sharded = load_file(out / "lora_w1.safetensors"), load_file(out / "lora_w2.safetensors")
+    assert len(single) == 28 and all(".lora_A.weight" in k or ".lora_B.weight" in k for k in single)
+    diff = _max_abs_diff(single, sharded)
+    moved = max(float(v.abs().max()) for k, v in single.items() if ".lora_B." in k)  # lora_B starts at zero
+    print(f"lora: max |w1 - w2| = {diff:.3g} after training moved lora_B up to {moved:.3g}")
+    assert diff < TOLERANCE and moved > 10 * TOLERANCE
+    for a, b in zip(_metrics(out, "lora_w1"), _metrics(out, "lora_w2"), strict=True):
+        for key in ("loss", "grad_norm", "lr", "tokens", "loss_tokens", "sequences"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+
+    initial = load_file(model / "model.safetensors")
+    for world in (1, 2):
+        full = load_file(out / f"lora_w{world}_full.safetensors")
+        base = {_base_name(k): v for k, v in full.items() if ".lora_" not in k and not k.endswith("lm_head.weight")}
+        assert base.keys() == initial.keys() and all(torch.equal(base[k], initial[k]) for k in initial)
+        for rank in range(world):
+            assert all(row["frozen_grads_none"] for row in _metrics(out, f"lora_w{world}", rank))
+
+
+def test_a_two_rank_lora_checkpoint_resumes_on_two_ranks_and_on_one(runs):
+    _, out = runs
+    before = _metrics(out, "lora_step6_before")
+    assert _metrics(out, "lora_step6_after_w2") == before  # loss, grad_norm, lr, step: exactly
+    adapter = load_file(out / "lora_step6_before.safetensors")
+    after = load_file(out / "lora_step6_after_w2.safetensors")
+    assert adapter.keys() == after.keys() and all(torch.equal(adapter[k], after[k]) for k in adapter)
+    for a, b in zip(before, _metrics(out, "lora_step6_after_w1"), strict=True):
+        for key in ("loss", "grad_norm", "lr", "tokens", "step"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+    assert _max_abs_diff(adapter, load_file(out / "lora_step6_after_w1.safetensors")) < TOLERANCE
 
 
 def test_ranks_agree_on_the_micro_batch_count(runs):

@@ -81,6 +81,19 @@ def test_only_the_adapters_train_and_the_frozen_weights_never_get_a_gradient(mak
     assert all(not torch.equal(p, adapters_before[n]) for n, p in adapters.items()), "an adapter did not move"
 
 
+def test_the_adapters_start_the_same_whatever_the_process_drew_before(make_engine):
+    # every FSDP2 rank shards its own copy of the model: adapters drawn apart would be pieces of different adapters
+    torch.manual_seed(1)
+    first = make_engine().adapter_tensors()
+    torch.manual_seed(2)
+    torch.rand(5)
+    state = torch.random.get_rng_state()
+    second = make_engine().adapter_tensors()
+    assert torch.equal(torch.random.get_rng_state(), state), "the caller's random state is left as it was"
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert any(v.abs().sum() > 0 for k, v in first.items() if ".lora_A." in k)
+
+
 def test_a_full_engine_still_trains_every_weight(make_engine):
     engine = make_engine(replace(TRAIN, lora=LoRAConfig()))
     names = [n for n, p in engine.model.named_parameters() if p.requires_grad]

@@ -10,8 +10,13 @@ Phases (every rank takes ``batch[rank::world]`` of the same seeded global batche
   writes ``logprobs_check.json`` (sharded ``token_logprobs`` vs the plain HF model), exports the ``varying``
   model (after step 5) to ``export/``, saves a checkpoint after
   step 5 to ``ckpt/``, then takes step 6 -> ``step6_before.{json,safetensors}``.
+  Kind ``lora`` trains LoRA adapters (``train.lora``) on the ``varying`` batches: ``lora_w<N>.safetensors`` holds
+  the adapter's tensors (PEFT names), ``lora_w<N>_full.safetensors`` the whole model (frozen base included) and
+  ``lora_w<N>_rank<R>.json`` the metrics and whether every frozen weight's ``.grad`` stayed None; on more than one
+  rank it then saves ``lora_ckpt/`` and takes step 6 -> ``lora_step6_before.{json,safetensors}``.
 - ``resume``: a fresh engine loads ``ckpt/`` (written by 2 ranks) and takes step 6 ->
-  ``step6_after_w<N>.{json,safetensors}``; on 1 rank the engine is the unsharded model.
+  ``step6_after_w<N>.{json,safetensors}``; on 1 rank the engine is the unsharded model. A LoRA engine does the
+  same from ``lora_ckpt/`` -> ``lora_step6_after_w<N>.{json,safetensors}`` (adapter tensors).
 """
 
 from __future__ import annotations
@@ -20,12 +25,13 @@ import json
 import os
 import random
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from hpcrl.config.schema import TrainConfig
+from hpcrl.config.schema import LoRAConfig, TrainConfig
 from hpcrl.logs import setup_logging
 from hpcrl.train.batch import MicroBatch, Normalizer, Sequence
 from hpcrl.train.checkpoint import load_checkpoint, save_checkpoint
@@ -39,6 +45,7 @@ TRAIN = TrainConfig(
     lr=1e-3, weight_decay=0.01, grad_clip=1.0, warmup_steps=2, lr_schedule="cosine", micro_batch_tokens=64
 )
 TOTAL_STEPS = 10
+LORA = replace(TRAIN, lora=LoRAConfig(rank=4, alpha=8.0))
 TEMPERATURE = 0.8
 
 
@@ -80,19 +87,20 @@ def seq_mean_loss(logprobs: torch.Tensor, mb: MicroBatch, norm: Normalizer):
     return -per_seq.sum() / norm.sequences, {}
 
 
-LOSSES = {"uniform": token_mean_loss, "varying": seq_mean_loss, "uneven": token_mean_loss}
+LOSSES = {"uniform": token_mean_loss, "varying": seq_mean_loss, "uneven": token_mean_loss, "lora": seq_mean_loss}
 
 
-def new_engine(model: str, info: DistInfo) -> Engine:
-    engine = Engine(model, TRAIN, dist=info, total_steps=TOTAL_STEPS)
+def new_engine(model: str, info: DistInfo, train: TrainConfig = TRAIN) -> Engine:
+    engine = Engine(model, train, dist=info, total_steps=TOTAL_STEPS)
     engine.setup()
     return engine
 
 
 def run_steps(engine: Engine, kind: str, steps: range, info: DistInfo) -> list[dict]:
     metrics = []
+    batches = "varying" if kind == "lora" else kind  # LoRA trains on the varying batches
     for step in steps:
-        mine = share(global_batch(kind, step), kind, info)
+        mine = share(global_batch(batches, step), batches, info)
         result = engine.train_step(mine, LOSSES[kind], TEMPERATURE)
         result["local_packed"] = len(pack([len(s.input_ids) for s in mine], TRAIN.micro_batch_tokens))
         metrics.append(result)
@@ -104,6 +112,31 @@ def write(out: Path, name: str, engine: Engine, metrics: list[dict], info: DistI
     (out / f"{name}_rank{info.rank}.json").write_text(json.dumps(metrics))
     if info.is_main:
         save_file({k: v.clone() for k, v in state.items()}, out / f"{name}.safetensors")
+
+
+def write_adapter(out: Path, name: str, engine: Engine, metrics: list[dict], info: DistInfo) -> None:
+    """The adapter's tensors (``adapter_tensors``: collective) and the metrics, with whether every frozen weight's
+    ``.grad`` stayed None on this rank."""
+    tensors = engine.adapter_tensors()
+    frozen = [p for p in engine.require_setup()[0].parameters() if not p.requires_grad]
+    for row in metrics:
+        row["frozen_grads_none"] = bool(frozen) and all(p.grad is None for p in frozen)
+    (out / f"{name}_rank{info.rank}.json").write_text(json.dumps(metrics))
+    if info.is_main:
+        save_file({k: v.clone() for k, v in tensors.items()}, out / f"{name}.safetensors")
+
+
+def lora_phase(model: str, out: Path, info: DistInfo) -> None:
+    world = info.world_size
+    engine = new_engine(model, info, LORA)
+    metrics = run_steps(engine, "lora", range(STEPS), info)
+    write_adapter(out, f"lora_w{world}", engine, metrics, info)
+    state = engine.full_state_dict()
+    if info.is_main:
+        save_file({k: v.clone() for k, v in state.items()}, out / f"lora_w{world}_full.safetensors")
+    if world > 1:
+        save_checkpoint(engine, out / "lora_ckpt")
+        write_adapter(out, "lora_step6_before", engine, run_steps(engine, "lora", range(STEPS, STEPS + 1), info), info)
 
 
 def check_gather(engine: Engine, out: Path, info: DistInfo) -> None:
@@ -148,6 +181,7 @@ def train_phase(model: str, out: Path, info: DistInfo) -> None:
             check_logprobs(engine, model, out, info)
         steps = range(1) if kind == "uneven" else range(STEPS)
         write(out, f"{kind}_w{world}", engine, run_steps(engine, kind, steps, info), info)
+    lora_phase(model, out, info)
     if world == 1:
         return
     check_gather(engine, out, info)
@@ -166,6 +200,10 @@ def resume_phase(model: str, out: Path, info: DistInfo) -> None:
         run_steps(engine, "varying", range(STEPS, STEPS + 1), info),
         info,
     )
+    engine = new_engine(model, info, LORA)
+    load_checkpoint(engine, out / "lora_ckpt")
+    metrics = run_steps(engine, "lora", range(STEPS, STEPS + 1), info)
+    write_adapter(out, f"lora_step6_after_w{info.world_size}", engine, metrics, info)
 
 
 def main() -> None:
