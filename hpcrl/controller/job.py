@@ -141,19 +141,12 @@ async def _drive(cfg, run_dir, workers, addresses, token, rows, preempt) -> dict
         workers.client, workers.trainers, workers.episodes, workers.critics = client, trainers, episodes, critics
         loop = Loop(cfg, workers, tokenizer, train_rows, eval_rows, run_dir)
         loop.preempt = preempt
-        sync = WeightSync(
-            cfg.train.weight_sync,
-            client,
-            trainers,
-            loop.resumed,
-            run_dir.path / "weights",
-            dtype=cfg.model.dtype,  # the servers run in it (--dtype): a push sends that, not the optimizer's fp32
-            bucket_bytes=cfg.train.weight_sync_bucket_mb << 20,
-        )
+        sync = make_sync(cfg, client, trainers, loop.resumed, run_dir)
         sync.episodes = episodes
         pool.client, pool.sync, pool.episodes = client, sync, episodes
-        if cfg.train.weight_sync == "distributed":
-            await sync.setup()  # trainer rank 0 hosts the group on its own node, with a port of its own slice
+        # distributed: trainer rank 0 hosts the group on its own node, with a port of its own slice; LoRA: the
+        # initial adapter goes to the servers before any request names it
+        await sync.setup()
         with Progress(cfg.run.max_steps) as progress:
             loop.progress = progress.update
             freeze_startup_heap("controller")  # every worker, the data and the loop are up
@@ -173,6 +166,18 @@ async def _drive(cfg, run_dir, workers, addresses, token, rows, preempt) -> dict
             log.info("episodes each rollout worker ran, by rank: %s", json.dumps(episodes.completed))
             await episodes.shutdown()
     return summary
+
+
+def make_sync(cfg: Config, client: InferenceClient, trainers: Trainers, resumed: asyncio.Event, run_dir: RunDir):
+    """The weight sync of ``train.weight_sync``: of the whole model, or with LoRA of the policy's adapter."""
+    weights = run_dir.path / "weights"
+    dtype = cfg.model.dtype  # the servers run in it (--dtype): a push sends that, not the optimizer's fp32
+    if cfg.train.lora.rank:
+        from hpcrl.controller.adapter_sync import AdapterSync
+
+        return AdapterSync(cfg.train.weight_sync, client, trainers, resumed, weights, dtype=dtype)
+    bucket_bytes = cfg.train.weight_sync_bucket_mb << 20
+    return WeightSync(cfg.train.weight_sync, client, trainers, resumed, weights, dtype=dtype, bucket_bytes=bucket_bytes)
 
 
 def make_scheduler(cfg: Config, run_dir: RunDir, slots: PortSlots) -> Scheduler:

@@ -145,10 +145,8 @@ class ServerPool:
     async def _load_and_add(self, rank: int, address: str, restarted_times: int) -> bool:
         """Give a restarted server the newest weights and put it in the pool; False to try again later."""
         async with self.sync.lock:  # no weight sync runs meanwhile: the export read here is the newest
-            current = self.sync.current
             try:
-                if current is not None:
-                    await self.client.update_weights_from_disk(current[0], current[1], servers=[address])
+                loaded = await self.sync.load_current([address])  # the weights, or with LoRA the adapter
             except InferenceError as e:  # e.g. it died again: the next check restarts it or fails the run
                 log.warning("restarted server worker %d at %s did not load the weights: %s", rank, address, e)
                 return False
@@ -157,6 +155,6 @@ class ServerPool:
             self.client.add(address)
         self.addresses[rank] = address
         self._changed = True
-        version = "the initial ones" if current is None else f"version {current[1]}"
+        version = "the initial ones" if loaded is None else f"version {loaded}"
         log.warning("server worker %d is back in the pool at %s with weights %s", rank, address, version)
         return True

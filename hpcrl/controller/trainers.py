@@ -7,6 +7,7 @@ tensors, which travel as raw bytes). Replies are gathered in rank order.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Self
 
 from hpcrl.inference.weight_layout import DEFAULT_GROUP
@@ -24,6 +25,7 @@ from hpcrl.rpc.messages import (
     TrainStep,
     WeightSpecsRequest,
 )
+from hpcrl.train.lora import LoraAdapterRequest  # and its reply, LoraAdapter: registered for RPC by the import
 
 
 class Ranks:
@@ -91,6 +93,12 @@ class Trainers(Ranks):
     async def export_for_servers(self, path) -> None:
         """Rank 0 writes the weights alone (one safetensors file) to ``path`` for ``/update_weights_from_disk``."""
         await self.rpc.broadcast("export_for_servers", ExportWeights(str(path)))
+
+    async def lora_adapter(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """With LoRA: the adapter's ``adapter_config.json`` as a dict and its full tensors by PEFT name (every rank
+        gathers them; rank 0 answers with them)."""
+        adapter = (await self.rpc.broadcast("lora_adapter", LoraAdapterRequest()))[0]
+        return json.loads(adapter.config), adapter.tensors
 
     async def push_weights(self, version: int, dtype: str) -> None:
         """Every rank gathers each tensor; rank 0 broadcasts it as ``dtype`` to the weight-update group."""

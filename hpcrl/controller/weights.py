@@ -62,6 +62,8 @@ class WeightSync:
 
     async def setup(self) -> None:
         """Form the weight-update group (distributed mode): rank 0 hosts it, every server rank joins."""
+        if self.mode != "distributed":
+            return
         timeout_s = self.client.weight_update_timeout_s
         host, port, backend = await self.trainers.host_weight_group(timeout_s)
         world = self.client.weights_group_world_size()
@@ -110,6 +112,15 @@ class WeightSync:
                 self.resumed.set()
             if exported_to is not None:  # in a thread, while the run goes on: awaited by the next push or close()
                 self.cleanup = asyncio.create_task(asyncio.to_thread(self._drop_older, exported_to))
+
+    async def load_current(self, servers: list[str]) -> int | None:
+        """A restarted server loads the newest export (disk mode; called under ``lock``): its version, or None
+        while the servers hold the initial weights (which it starts with)."""
+        if self.current is None:
+            return None
+        path, version = self.current
+        await self.client.update_weights_from_disk(path, version, servers=servers)
+        return version
 
     def _path(self, version: int) -> Path:
         return self.weights_dir / f"v{version:06d}"

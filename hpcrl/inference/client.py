@@ -71,6 +71,7 @@ class InferenceClient:
         weight_update_timeout_s: float = 1800.0,  # deadline of one weight-update call (disk loads take minutes)
         context_length: int | None = None,  # the servers' context, checked by SGLang's rules (context.fit); None: not
         context_overflow: str = "drop",  # drop: ContextLengthError | truncate: fewer new tokens when possible
+        adapter: str | None = None,  # the LoRA adapter a generate request names unless it names one (train.lora)
     ) -> None:
         _check_args(addresses, request_timeout_s, max_retries, backoff_s, policy, max_connections)
         if not no_server_timeout_s > 0:
@@ -83,6 +84,7 @@ class InferenceClient:
         self.weight_update_timeout_s = weight_update_timeout_s
         self.context_length = context_length
         self.context_overflow = context_overflow
+        self.adapter = None if adapter is None else check_adapter_name(adapter)
         self._http = HttpPool(
             self.addresses,
             timeout_s=request_timeout_s,
@@ -165,7 +167,8 @@ class InferenceClient:
         lora_path: str | None = None,
     ) -> GenerateResult:
         """Generate from one prompt on ``server``, or on a server picked by the policy (again on each retry), with
-        the LoRA adapter loaded under the name ``lora_path`` (None: the base model)."""
+        the LoRA adapter loaded under the name ``lora_path`` (None: the client's ``adapter``; without one, the base
+        model)."""
         check_sampling(sampling_params)
         if not input_ids:
             raise ValueError("input_ids is empty; a prompt needs at least one token")
@@ -177,6 +180,7 @@ class InferenceClient:
         }
         if rid is not None:
             payload["rid"] = rid
+        lora_path = self.adapter if lora_path is None else lora_path
         if lora_path is not None:
             payload["lora_path"] = check_adapter_name(lora_path)
         chosen, answer = await self._http.call(self._chooser(server), "POST", "/generate", payload, count=1)
@@ -193,7 +197,7 @@ class InferenceClient:
     ) -> list[GenerateResult]:
         """Generate from several prompts in one batched request to one server; results in prompt order.
         ``sampling_params`` is one dict for every prompt, or one per prompt (SGLang takes either); ``lora_path``
-        one adapter name for every prompt, or one per prompt (None: the base model)."""
+        one adapter name for every prompt, or one per prompt (None: the client's ``adapter``, or the base model)."""
         if not input_ids:
             raise ValueError("input_ids is an empty batch; it needs at least one prompt")
         empty = [i for i, ids in enumerate(input_ids) if not ids]
@@ -207,7 +211,7 @@ class InferenceClient:
         fitted = [self._fitted(len(ids), p) for ids, p in zip(input_ids, each, strict=True)]
         params: Any = sampling_params if all(f is p for f, p in zip(fitted, each, strict=True)) else fitted
         payload = {"input_ids": input_ids, "sampling_params": params, "return_logprob": return_logprob}
-        adapters = _batch_adapters(lora_path, len(input_ids))
+        adapters = _batch_adapters(self.adapter if lora_path is None else lora_path, len(input_ids))
         if adapters is not None:
             payload["lora_path"] = adapters
         chosen, answer = await self._http.call(
@@ -308,6 +312,17 @@ class InferenceClient:
             timeout_s=self._weights_deadline(timeout_s),
             check=check_success,
         )
+
+    async def update_weight_version(
+        self, weight_version: str | int, *, timeout_s: float | None = None, servers: Sequence[str] | None = None
+    ) -> None:
+        """Every server (or those in ``servers``) reports ``weight_version`` from now on, as the version of what it
+        generates (a LoRA adapter's load does not change it). SGLang would abort every running request first
+        unless told not to: here they are not (the caller pauses generation around an update)."""
+        payload = {"new_version": str(weight_version), "abort_all_requests": False}
+        payloads = self._same(payload) if servers is None else self._only(servers, payload)
+        deadline = self._weights_deadline(timeout_s)
+        await self._http.call_all("POST", "/update_weight_version", payloads, timeout_s=deadline, check=check_success)
 
     def weights_group_world_size(self) -> int:
         """World size of the weight-update group: the trainer's rank 0 plus every tensor-parallel rank."""

@@ -8,6 +8,8 @@ from typing import Any
 from hpcrl.config.schema import Config
 from hpcrl.inference.sglang_args import served_context
 
+POLICY_ADAPTER = "policy"  # with train.lora: the name the servers hold the policy's adapter under (adapter_sync.py)
+
 
 def client_options(cfg: Config) -> dict[str, Any]:
     """Keyword arguments of ``InferenceClient`` (all but the addresses) for the run of ``cfg``; ``cfg.model.path``
@@ -21,4 +23,6 @@ def client_options(cfg: Config) -> dict[str, Any]:
         "weight_update_timeout_s": cfg.inference.weight_update_timeout_s,
         "context_length": served_context(cfg.model.path, extra_args),
         "context_overflow": cfg.inference.context_overflow,
+        # every generate request names the policy's adapter; evaluation only (run.max_steps=0) serves model.path
+        "adapter": POLICY_ADAPTER if cfg.train.lora.rank and cfg.run.max_steps else None,
     }

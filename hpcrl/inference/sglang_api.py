@@ -34,6 +34,7 @@ ENDPOINTS = (
     ("POST", "/load_lora_adapter"),
     ("POST", "/load_lora_adapter_from_tensors"),
     ("POST", "/unload_lora_adapter"),
+    ("POST", "/update_weight_version"),
 )
 
 

@@ -88,6 +88,8 @@ class FakeServer:
             return web.json_response({"message": "ok", "status": "ok"})
         if "lora" in path:
             return self._lora(path, body)
+        if path == "/update_weight_version" and self.success:
+            self.weight_version = body["new_version"]
         return web.json_response({"success": self.success, "message": f"fake {path} success={self.success}"})
 
     def _lora(self, path: str, body: dict[str, Any]) -> web.Response:

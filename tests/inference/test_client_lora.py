@@ -96,6 +96,19 @@ def test_generate_names_its_adapter_per_request_or_per_prompt():
     assert run(body()) == ["policy-v3", "absent", ["policy-v3", None], "policy-v3", "absent"]
 
 
+def test_a_clients_adapter_is_named_by_every_request_that_names_none():
+    async def body():
+        async with fake_servers(1) as [fake], InferenceClient([fake.address], adapter="policy") as client:
+            await client.generate([5], {"max_new_tokens": 1})
+            await client.generate([5], {"max_new_tokens": 1}, lora_path="other")
+            await client.generate_many([[5], [6]], {"max_new_tokens": 1})
+            return [body.get("lora_path", "absent") for body in fake.bodies("/generate")]
+
+    assert run(body()) == ["policy", "other", "policy"]
+    with pytest.raises(ValueError, match="SGLang reads '' as the base model"):
+        InferenceClient(["127.0.0.1:1"], adapter="")
+
+
 def test_tensors_are_serialized_on_the_cpu_each_with_its_own_storage():
     big = torch.zeros(1000, 8)
     payload = serialized_tensors([(A, big[:4]), (B, big[:, :2].T)], copies=1)[0]

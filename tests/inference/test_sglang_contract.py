@@ -139,6 +139,7 @@ async def every_path(addresses: list[str], work: Path) -> None:
         await client.generate([5, 6], {"max_new_tokens": 2}, lora_path="policy-v2")
         await client.generate_many([[5, 6], [7]], {"max_new_tokens": 2}, lora_path=["policy-v2", None])
         await client.unload_lora_adapter("policy-v1")
+        await client.update_weight_version(3)
         await client.model_info()
         await client.flush_cache()
         await client.abort("episode-1-0")
@@ -215,6 +216,8 @@ def test_the_checks_catch_what_sglang_refuses_or_ignores(routes, io_struct, whee
         ("/flush_cache", {}, "reads no body here"),
         ("/load_lora_adapter", {"lora_name": "a"}, "refuses it"),  # no lora_path
         ("/unload_lora_adapter", {"lora_name": "a", "lora_path": "/p"}, "would ignore it silently"),
+        ("/update_weight_version", {"new_version": 3}, "refuses it"),  # not a string
+        ("/update_weight_version", {"version": "3"}, "refuses it"),  # no new_version
         (
             "/load_lora_adapter_from_tensors",
             {"lora_name": "a", "config_dict": {}, "serialized_named_tensors": ["*"]},
@@ -265,7 +268,7 @@ def test_every_distributed_update_is_inside_a_weight_update_session(per_server):
     """SGLang refuses /update_weights_from_distributed outside begin..end; the rest of the group's order too."""
     for calls in per_server:
         paths = [path for _, path, _ in calls]
-        group = [p for p in paths if "weight" in p and "disk" not in p]
+        group = [p for p in paths if ("weights" in p and "disk" not in p) or "weight_update" in p]
         assert group[0] == "/init_weights_update_group" and group[-1] == "/destroy_weights_update_group"
         session = group[1:-1]
         assert session[0] == "/begin_weight_update" and session[-1] == "/end_weight_update", session
