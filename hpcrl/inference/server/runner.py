@@ -6,6 +6,7 @@ answer health checks, pauses and aborts while a batch decodes.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ class BatchState:
     sampler: BatchSampler
     tokens: torch.Tensor  # [B], the tokens sampled last
     logprobs: torch.Tensor  # [B], their logprobs
+    adapters: list[str | None]  # each row's LoRA adapter id (``lora_model.py``); None = the base model
 
 
 class ModelRunner:
@@ -53,18 +55,27 @@ class ModelRunner:
         self._cache_kw = "cache" if "cache" in forward_args else "past_key_values"
         # the prefill needs the logits of the last position only: not [B, L, vocab] of them
         self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in forward_args else {}
+        self.adapter_layers: list[torch.nn.Module] = []  # PEFT's LoRA layers, once an adapter is loaded
         log.info("loaded %s (%s, vocab %d, eos %s)", model_path, dtype, self.vocab_size, sorted(self.eos_ids))
 
     @torch.inference_mode()
-    def prefill(self, seq_ids: list[int], prompts: list[list[int]], sampler: BatchSampler) -> BatchState:
+    def prefill(
+        self,
+        seq_ids: list[int],
+        prompts: list[list[int]],
+        sampler: BatchSampler,
+        adapters: list[str | None] | None = None,
+    ) -> BatchState:
         """One forward over the batch's distinct prompts (a GRPO group sends one prompt ``n`` times: it is
         computed once, as SGLang's prefix cache would), its KV cache and last logits then copied to every row
-        that asked for it; each row samples its own first token."""
+        that asked for it; each row samples its own first token. ``adapters``: each row's LoRA adapter id
+        (None: the base model); a prompt is one prompt per adapter."""
         from transformers import DynamicCache
 
-        first_row: dict[tuple[int, ...], int] = {}
-        rows = [first_row.setdefault(tuple(p), len(first_row)) for p in prompts]
-        distinct = [list(p) for p in first_row]
+        adapters = adapters or [None] * len(prompts)
+        first_row: dict[tuple[str | None, tuple[int, ...]], int] = {}
+        rows = [first_row.setdefault((a, tuple(p)), len(first_row)) for a, p in zip(adapters, prompts, strict=True)]
+        distinct = [list(p) for _, p in first_row]
         width = max(len(p) for p in distinct)
         ids = torch.full((len(distinct), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(distinct), width), dtype=torch.long)
@@ -73,28 +84,30 @@ class ModelRunner:
             mask[row, width - len(prompt) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, **{self._cache_kw: cache}, **self._last_only
-        )
+        with self._adapters([a for a, _ in first_row]):
+            out = self.model(
+                input_ids=ids, attention_mask=mask, position_ids=positions, **{self._cache_kw: cache}, **self._last_only
+            )
         logits = out.logits[:, -1]
         if len(distinct) < len(prompts):
             index = torch.tensor(rows, dtype=torch.long)
             cache.batch_select_indices(index)
             logits, mask, positions = logits[index], mask[index], positions[index]
         tokens, logprobs = sampler.sample(logits, self.generator)
-        return BatchState(seq_ids, mask, positions[:, -1], cache, sampler, tokens, logprobs)
+        return BatchState(seq_ids, mask, positions[:, -1], cache, sampler, tokens, logprobs, list(adapters))
 
     @torch.inference_mode()
     def decode(self, state: BatchState) -> None:
         """Feed the last sampled tokens and sample the next ones, in place."""
         state.attention_mask = torch.cat([state.attention_mask, torch.ones_like(state.tokens)[:, None]], dim=1)
         state.positions = state.positions + 1
-        out = self.model(
-            input_ids=state.tokens[:, None],
-            attention_mask=state.attention_mask,
-            position_ids=state.positions[:, None],
-            **{self._cache_kw: state.cache},
-        )
+        with self._adapters(state.adapters):
+            out = self.model(
+                input_ids=state.tokens[:, None],
+                attention_mask=state.attention_mask,
+                position_ids=state.positions[:, None],
+                **{self._cache_kw: state.cache},
+            )
         state.tokens, state.logprobs = state.sampler.sample(out.logits[:, -1], self.generator)
 
     @staticmethod
@@ -106,6 +119,7 @@ class ModelRunner:
         state.attention_mask = state.attention_mask[keep]
         state.positions, state.tokens, state.logprobs = state.positions[keep], state.tokens[keep], state.logprobs[keep]
         state.sampler = state.sampler.select(keep)
+        state.adapters = [state.adapters[r] for r in rows]
 
     @staticmethod
     def merge(state: BatchState, joining: BatchState) -> None:
@@ -128,6 +142,7 @@ class ModelRunner:
         state.tokens = torch.cat([state.tokens, joining.tokens])
         state.logprobs = torch.cat([state.logprobs, joining.logprobs])
         state.sampler = state.sampler.cat(joining.sampler)
+        state.adapters = state.adapters + joining.adapters
 
     @torch.inference_mode()
     def load_weights_from_disk(self, model_path: str) -> None:
@@ -143,10 +158,27 @@ class ModelRunner:
         self.load_tensors(state)
         self.model_path = model_path
 
+    @contextlib.contextmanager
+    def _adapters(self, adapters: list[str | None]):
+        """Name each row's adapter to PEFT's LoRA layers for one forward (their ``adapter_names``, as PEFT's own
+        ``PeftModel.forward(adapter_names=...)`` passes it); with no LoRA layer in the model, nothing to do."""
+        names = ["__base__" if a is None else a for a in adapters]
+        hooks = [
+            layer.register_forward_pre_hook(
+                lambda _, args, kw: (args, {**kw, "adapter_names": names}), with_kwargs=True
+            )
+            for layer in self.adapter_layers
+        ]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+
     @torch.inference_mode()
     def load_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy named tensors into the model's parameters; a name the model lacks is an error."""
-        params = dict(self.model.state_dict())
+        params = self.parameter_specs()
         unknown = sorted(set(tensors) - set(params))
         if unknown:
             raise KeyError(f"the model has no parameter(s) {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
@@ -157,7 +189,9 @@ class ModelRunner:
             target.copy_(value.to(target.dtype))
 
     def parameter_specs(self) -> dict[str, torch.Tensor]:
-        return dict(self.model.state_dict())
+        """The base model's parameters by their Hugging Face names: where PEFT wrapped a layer for LoRA, its
+        ``base_layer`` under the layer's own name, and no adapter tensor."""
+        return {k.replace(".base_layer.", "."): v for k, v in self.model.state_dict().items() if ".lora_" not in k}
 
 
 def _kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -7,6 +7,10 @@ prefilled, then their rows and KV cache join the running batch). Between steps i
 (``abort`` ends every running request with ``finish_reason.type == "abort"``; ``in_place`` holds them
 until continue) and per-request aborts.
 
+With LoRA, a batch holds at most ``max_loras_per_batch`` distinct adapters, the base model counting as one
+(SGLang's ``--max-loras-per-batch``): a request whose adapter would make one more waits, and the requests
+behind it that fit go first, as SGLang's scheduler skips it.
+
 Weight updates never change weights under a running batch: they wait for it to finish, unless
 generation is paused in place, in which case they apply between two steps (as SGLang does). No batch
 starts, and no request joins one, while an update waits.
@@ -43,12 +47,14 @@ class Sequence:
     abort_requested: bool = False
     weight_version: str = ""
     started: float = field(default_factory=time.monotonic)
+    lora: str | None = None  # the LoRA adapter's id in the model (``lora_model.py``); None = the base model
 
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, max_running: int = 256, batch_wait_ms: float = 2.0):
         self.runner = runner
         self.max_running = max_running
+        self.max_loras_per_batch = 1 << 30  # distinct adapters in a batch, the base counting as one (lora.py sets it)
         self.batch_wait_s = batch_wait_ms / 1000
         self.weight_version = "default"
         self.pause_mode: str | None = None
@@ -150,8 +156,7 @@ class Scheduler:
                 continue
             if self.batch_wait_s and len(self.waiting) < self.max_running:
                 await asyncio.sleep(self.batch_wait_s)
-            batch = [self.waiting.popleft() for _ in range(min(self.max_running, len(self.waiting)))]
-            await self._run_batch(batch)
+            await self._run_batch(self._take(self.max_running, set()))
 
     async def _run_batch(self, batch: list[Sequence]) -> None:
         self._batch_active = True
@@ -184,7 +189,8 @@ class Scheduler:
         self.running.update(zip(ids, batch, strict=True))
         sampler = BatchSampler.of([s.params for s in batch], self.runner.vocab_size)
         prompts = [s.prompt_ids for s in batch]
-        state = await self._call(lambda: self.runner.prefill(ids, prompts, sampler))
+        adapters = [s.lora for s in batch]
+        state = await self._call(lambda: self.runner.prefill(ids, prompts, sampler, adapters))
         self._retire(state, self._append(state))
         return state
 
@@ -193,9 +199,26 @@ class Scheduler:
         room = self.max_running - len(state.seq_ids)
         if not self.waiting or room <= 0 or self._updates_waiting:
             return
-        joining = await self._prefill([self.waiting.popleft() for _ in range(min(room, len(self.waiting)))])
+        taken = self._take(room, set(state.adapters))
+        if not taken:
+            return
+        joining = await self._prefill(taken)
         if joining.seq_ids:
             await self._call(lambda: ModelRunner.merge(state, joining))
+
+    def _take(self, room: int, adapters: set[str | None]) -> list[Sequence]:
+        """Up to ``room`` waiting sequences, in order, skipping those whose adapter would make the batch's
+        distinct adapters (``adapters``, updated) more than ``max_loras_per_batch``."""
+        taken, kept = [], deque()
+        while self.waiting and len(taken) < room:
+            seq = self.waiting.popleft()
+            if seq.lora in adapters or len(adapters) < self.max_loras_per_batch:
+                adapters.add(seq.lora)
+                taken.append(seq)
+            else:
+                kept.append(seq)
+        self.waiting.extendleft(reversed(kept))
+        return taken
 
     def _decode_run(self, state: BatchState, max_steps: int = 256) -> dict[int, dict[str, Any]]:
         """On the torch thread: decode until a row finishes or the event loop has work; return finished rows.
