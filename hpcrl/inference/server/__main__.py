@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--served-model-name", default="", help="the model's name on /v1 routes; default: the model path")
     p.add_argument("--rank", default=os.environ.get("HPCRL_RANK", "0"), help="worker rank, for log lines")
+    add_lora_args(p)
     args = p.parse_args(argv)
     if args.tp_size < 1:
         p.error(f"--tp-size must be >= 1, got {args.tp_size}")
@@ -57,7 +58,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         resolve_template(args.chat_template)
     except ValueError as e:
         p.error(f"--chat-template: {e}")
+    args.lora = lora_settings_or_exit(p, args)
     return args
+
+
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    """SGLang's LoRA flags, as it names and types them (``srt/arg_groups/fields/lora.py``)."""
+    from hpcrl.inference.server.lora import ALL, TARGET_MODULES
+
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (on with --lora-paths)")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank; default: --lora-paths'")
+    p.add_argument(
+        "--lora-target-modules",
+        nargs="*",
+        choices=[*TARGET_MODULES, ALL],
+        default=None,
+        help="modules adapters may target; default: --lora-paths' union",
+    )
+    p.add_argument(
+        "--lora-paths",
+        nargs="*",
+        default=None,
+        help='adapters loaded at start: PATH | NAME=PATH | JSON {"lora_name",...}',
+    )
+    p.add_argument("--max-loras-per-batch", type=int, default=8, help="distinct adapters in a batch, the base included")
+
+
+def lora_settings_or_exit(p: argparse.ArgumentParser, args: argparse.Namespace):
+    """The LoRA settings, or the parser's one-line error with SGLang's message."""
+    from hpcrl.inference.server.lora import lora_settings
+
+    try:
+        lora = lora_settings(
+            args.enable_lora, args.max_lora_rank, args.lora_target_modules, args.lora_paths, args.max_loras_per_batch
+        )
+    except (OSError, KeyError, ValueError) as e:
+        p.error(f"LoRA: {e}")
+    if lora.enabled and args.tp_size > 1:
+        p.error(
+            f"--enable-lora with --tp-size {args.tp_size}: hpcrl's CPU server applies adapters on tp rank 0 only; "
+            "use --tp-size 1"
+        )
+    return lora
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,6 +124,7 @@ def serve(args: argparse.Namespace) -> None:
     from hpcrl.inference.context import context_length
     from hpcrl.inference.openai.chat import ChatFormat
     from hpcrl.inference.server.app import Server
+    from hpcrl.inference.server.lora import Adapters
     from hpcrl.inference.server.runner import ModelRunner
     from hpcrl.inference.server.scheduler import Scheduler
     from hpcrl.inference.server.tp_ranks import TpRanks
@@ -92,6 +135,13 @@ def serve(args: argparse.Namespace) -> None:
     runner = ModelRunner(args.model_path, args.dtype, args.seed)
     scheduler = Scheduler(runner, args.max_running_requests, args.batch_wait_ms)
     scheduler.weight_version = args.weight_version
+    adapters = Adapters(args.lora, runner, scheduler)
+    try:
+        adapters.load_initial()
+    except ValueError as e:
+        raise UserError(
+            str(e), "give PEFT adapter directories that fit --max-lora-rank and --lora-target-modules"
+        ) from None
     context = args.context_length or context_length(args.model_path)
     chat = ChatFormat(runner.tokenizer, args.chat_template, args.tool_call_parser)
     server = Server(
@@ -102,6 +152,7 @@ def serve(args: argparse.Namespace) -> None:
         args.allow_auto_truncate,
         chat=chat,
         served_model_name=args.served_model_name,
+        adapters=adapters,
     )
     log.info(
         "serving %s on %s port %d (tp_size %d, context length %d, torch threads %d)",

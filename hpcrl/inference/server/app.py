@@ -23,7 +23,9 @@ OpenAI-compatible ones (``/v1/models``, ``/v1/completions``, ``/v1/chat/completi
   then every request whose rid starts with it (SGLang's tokenizer manager forwards only a rid it knows, its
   scheduler matches by prefix); ``abort_all`` aborts all; an empty rid without ``abort_all`` aborts nothing;
   the answer is an empty 200;
-- ``/pause_generation`` and ``/continue_generation`` need a JSON body (``{}`` at least).
+- ``/pause_generation`` and ``/continue_generation`` need a JSON body (``{}`` at least);
+- ``lora_path`` names each prompt's LoRA adapter (``protocol.lora_paths``, ``lora.py``: the LoRA routes, the
+  registry, SGLang's refusals).
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ from aiohttp import web
 from hpcrl.inference.context import fit, served
 from hpcrl.inference.openai.chat import ChatFormat
 from hpcrl.inference.server import requests
+from hpcrl.inference.server.lora import Adapters, LoraSettings
 from hpcrl.inference.server.openai_routes import OpenAIRoutes
-from hpcrl.inference.server.protocol import output_text, parse_generate, response
+from hpcrl.inference.server.protocol import lora_paths, output_text, parse_generate, response
 from hpcrl.inference.server.requests import read_body
 from hpcrl.inference.server.runner import ModelRunner
 from hpcrl.inference.server.sampling import RequestError, SamplingParams
@@ -71,8 +74,10 @@ class Server:
         allow_auto_truncate: bool = False,
         chat: ChatFormat | None = None,  # the OpenAI routes' chat template and tool-call parser
         served_model_name: str = "",  # the model's name on the OpenAI routes; "" = the model path, as SGLang's
+        adapters: Adapters | None = None,  # the LoRA adapters; None: LoRA off, as without --enable-lora
     ):
         self.runner, self.scheduler, self.weights = runner, scheduler, weights
+        self.adapters = adapters or Adapters(LoraSettings(), runner, scheduler)
         self.context_length = context_length
         self.allow_auto_truncate = allow_auto_truncate
         self.health_timeout_s = health_timeout_s(os.environ)
@@ -95,6 +100,7 @@ class Server:
                 post("/continue_generation", self.resume),
                 post("/abort_request", self.abort),
                 *self.weights.routes(),
+                *self.adapters.routes(),
                 *self.openai.routes(),
             ]
         )
@@ -142,12 +148,27 @@ class Server:
         )
 
     async def generate(self, request: web.Request) -> web.Response:
-        prompts, single = parse_generate(await _json(request), self._tokenize, self.runner.vocab_size)
+        body = await _json(request)
+        prompts, single = parse_generate(body, self._tokenize, self.runner.vocab_size)
+        lora_path, names = lora_paths(body, len(prompts), single)
         for prompt in prompts:
             prompt.params.max_new_tokens = self.admit(prompt.input_ids, prompt.params.max_new_tokens)
+        adapters = await self.adapters.resolve(
+            lora_path, [name for p, name in zip(prompts, names, strict=True) for _ in p.rids]
+        )
         loop = asyncio.get_running_loop()
-        pairs = [(Sequence(rid, p.input_ids, p.params, loop.create_future()), p) for p in prompts for rid in p.rids]
-        self._refuse_rids_in_flight([seq.rid for seq, _ in pairs])  # no await from here to the queue
+        samples = [(rid, p) for p in prompts for rid in p.rids]
+        pairs = [
+            (Sequence(rid, p.input_ids, p.params, loop.create_future(), lora=adapter), p)
+            for (rid, p), adapter in zip(samples, adapters, strict=True)
+        ]
+        try:
+            self._refuse_rids_in_flight([seq.rid for seq, _ in pairs])  # no await from here to the queue
+        except RequestError:
+            self.adapters.release(adapters)
+            raise
+        for seq, _ in pairs:
+            self.adapters.hold(seq)
         await self.scheduler.generate([seq for seq, _ in pairs])
         tokenizer = self.runner.tokenizer
         out = []

@@ -60,7 +60,11 @@ class OpenAIRoutes:
         ]
 
     async def models(self, _: web.Request) -> web.Response:
-        return web.json_response(models_response(self.model, self.server.context_length))
+        """The served model, then each LoRA adapter loaded (SGLang's ``available_models``)."""
+        listing = models_response(self.model, self.server.context_length)
+        for ref in self.server.adapters.registry.values():
+            listing["data"].append({**model_card(ref.name, None), "root": ref.path, "parent": self.model})
+        return web.json_response(listing)
 
     async def model_info(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
@@ -73,7 +77,7 @@ class OpenAIRoutes:
         try:
             req = parse_completion(await _body(request))
             ids = [self._tokenize(p) if isinstance(p, str) else p for p in req.prompts]
-            choices = await self._generate(ids, req.sampling, tools=[], tool_choice="none")
+            choices = await self._generate(ids, req.sampling, tools=[], tool_choice="none", model=req.model)
         except (OpenAIError, RequestError) as e:
             return _error(request, e)
         return web.json_response(
@@ -86,7 +90,7 @@ class OpenAIRoutes:
             self.chat.check_tools(req.tools, req.tool_choice)
             tools = req.tools if req.tool_choice != "none" else []
             ids = self.chat.prompt_ids(req.messages, tools)
-            choices = await self._generate([ids], req.sampling, tools, req.tool_choice)
+            choices = await self._generate([ids], req.sampling, tools, req.tool_choice, model=req.model)
         except (OpenAIError, RequestError) as e:
             return _error(request, e)
         return web.json_response(
@@ -94,10 +98,12 @@ class OpenAIRoutes:
         )
 
     async def _generate(
-        self, prompts: list[list[int]], sampling: Sampling, tools: list[dict], tool_choice: str
+        self, prompts: list[list[int]], sampling: Sampling, tools: list[dict], tool_choice: str, model: str = ""
     ) -> list[Choice]:
-        """``n`` answers of every prompt, prompt-major, as SGLang orders them."""
+        """``n`` answers of every prompt, prompt-major, as SGLang orders them; with the LoRA adapter ``model``
+        names (``adapter_of``)."""
         loop = asyncio.get_running_loop()
+        adapter = adapter_of(model, self.model)
         pairs = []
         for i, ids in enumerate(prompts):
             self._check_ids(ids, i)
@@ -106,6 +112,10 @@ class OpenAIRoutes:
                 seed = None if sampling.seed is None else (sampling.seed + k) % 2**63  # n draws, n seeds
                 rid = new_id("")
                 pairs.append((Sequence(rid, ids, self._sampling_params(params, seed), loop.create_future()), ids))
+        adapters = self.server.adapters
+        for (seq, _), lora in zip(pairs, await adapters.resolve(adapter, [adapter] * len(pairs)), strict=True):
+            seq.lora = lora
+            adapters.hold(seq)
         await self.scheduler.generate([seq for seq, _ in pairs])
         return [self._choice(seq, len(ids), sampling, tools, tool_choice) for seq, ids in pairs]
 
@@ -153,6 +163,17 @@ class OpenAIRoutes:
 
     def _tokenize(self, text: str) -> list[int]:
         return self.runner.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def adapter_of(model: str, served: str) -> str | None:
+    """The LoRA adapter an OpenAI request's ``model`` names, as SGLang 0.5.23 reads it
+    (``serving_base._parse_model_parameter``): ``<served name>:<adapter>``, or ``<anything>:<adapter>``; None
+    without a colon, for the served name itself, or with nothing after the colon. (SGLang's ``lora_path``
+    field on these routes is refused by ``hpcrl.inference.openai.protocol``.)"""
+    if ":" not in model or model == served:
+        return None
+    adapter = model[len(served) + 1 :] if model.startswith(f"{served}:") else model.split(":", 1)[1]
+    return adapter.strip() or None
 
 
 def generation_defaults(model_path: str) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from typing import Any
 from hpcrl.inference.server.sampling import RequestError, SamplingParams
 
 KNOWN_FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "rid", "stream"}
-KNOWN_FIELDS |= {"logprob_start_len", "top_logprobs_num", "return_text_in_logprobs"}
+KNOWN_FIELDS |= {"logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "lora_path"}
 
 
 @dataclass
@@ -84,6 +84,25 @@ def sample_rids(rid: Any, batch_size: int, n: int, single: bool) -> list[list[st
     if n > 1:
         return [[uuid.uuid4().hex for _ in range(n)] for _ in range(batch_size)]
     return [[r] for r in rids]
+
+
+def lora_paths(body: dict, batch_size: int, single: bool) -> tuple[Any, list[Any]]:
+    """``lora_path`` as SGLang's ``GenerateReqInput._normalize_lora_paths`` leaves it: (the value its LoRA checks
+    look at, each prompt's adapter name). A single prompt takes a string; a batch (or ``n > 1``) a string for
+    every prompt or a list with one name (or null: the base model) per prompt. SGLang indexes a list of another
+    length by sample and fails on a short one; here that is a 400."""
+    raw = body.get("lora_path")
+    if raw is None:
+        return None, [None] * batch_size
+    if isinstance(raw, str):
+        return (raw, [raw]) if single else ([raw] * batch_size, [raw] * batch_size)
+    if not isinstance(raw, list) or not all(x is None or isinstance(x, str) for x in raw):
+        raise RequestError("lora_path should be a list or a string.")
+    if single:
+        raise RequestError("lora_path must be a string for a single prompt (a list names one adapter per prompt)")
+    if len(raw) != batch_size:
+        raise RequestError(f"lora_path list length ({len(raw)}) must match batch size ({batch_size})")
+    return raw, list(raw)
 
 
 def _parallel_samples(prompts: list[Prompt]) -> int:
