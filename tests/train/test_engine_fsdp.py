@@ -91,6 +91,15 @@ def test_two_ranks_train_the_lora_adapters_like_one_process_and_leave_the_base_a
             assert all(row["frozen_grads_none"] for row in _metrics(out, f"lora_w{world}", rank))
 
 
+def test_the_lora_kl_reference_is_the_base_model_on_two_ranks_and_on_one(runs):
+    _, out = runs
+    for world in (1, 2):
+        for rank in range(world):
+            check = json.loads((out / f"lora_reference_w{world}_rank{rank}.json").read_text())
+            assert check["max_abs_diff"] < TOLERANCE, (world, rank, check)
+            assert check["policy_moved"] > 100 * TOLERANCE, "the trained policy must differ from its reference"
+
+
 def test_a_two_rank_lora_checkpoint_resumes_on_two_ranks_and_on_one(runs):
     _, out = runs
     before = _metrics(out, "lora_step6_before")

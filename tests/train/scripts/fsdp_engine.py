@@ -12,8 +12,10 @@ Phases (every rank takes ``batch[rank::world]`` of the same seeded global batche
   step 5 to ``ckpt/``, then takes step 6 -> ``step6_before.{json,safetensors}``.
   Kind ``lora`` trains LoRA adapters (``train.lora``) on the ``varying`` batches: ``lora_w<N>.safetensors`` holds
   the adapter's tensors (PEFT names), ``lora_w<N>_full.safetensors`` the whole model (frozen base included) and
-  ``lora_w<N>_rank<R>.json`` the metrics and whether every frozen weight's ``.grad`` stayed None; on more than one
-  rank it then saves ``lora_ckpt/`` and takes step 6 -> ``lora_step6_before.{json,safetensors}``.
+  ``lora_w<N>_rank<R>.json`` the metrics and whether every frozen weight's ``.grad`` stayed None,
+  ``lora_reference_w<N>_rank<R>.json`` how far the KL reference (``BaseReference``: the adapters off) is from the
+  plain base model's logprobs; on more than one rank it then saves ``lora_ckpt/`` and takes step 6 ->
+  ``lora_step6_before.{json,safetensors}``.
 - ``resume``: a fresh engine loads ``ckpt/`` (written by 2 ranks) and takes step 6 ->
   ``step6_after_w<N>.{json,safetensors}``; on 1 rank the engine is the unsharded model. A LoRA engine does the
   same from ``lora_ckpt/`` -> ``lora_step6_after_w<N>.{json,safetensors}`` (adapter tensors).
@@ -134,6 +136,7 @@ def lora_phase(model: str, out: Path, info: DistInfo) -> None:
     state = engine.full_state_dict()
     if info.is_main:
         save_file({k: v.clone() for k, v in state.items()}, out / f"lora_w{world}_full.safetensors")
+    check_reference(engine, model, out, info)
     if world > 1:
         save_checkpoint(engine, out / "lora_ckpt")
         write_adapter(out, "lora_step6_before", engine, run_steps(engine, "lora", range(STEPS, STEPS + 1), info), info)
@@ -153,21 +156,43 @@ def check_gather(engine: Engine, out: Path, info: DistInfo) -> None:
         (out / "gather.json").write_text(json.dumps({"same": same, "tensors": len(ours), "uneven": uneven}))
 
 
-def check_logprobs(engine: Engine, model: str, out: Path, info: DistInfo) -> None:
-    from transformers import AutoModelForCausalLM
+def check_reference(engine: Engine, model: str, out: Path, info: DistInfo) -> None:
+    """The trained LoRA engine's KL reference against the plain base model, and against the policy itself."""
+    from hpcrl.train.lora import BaseReference
 
     batch = global_batch("varying", 0)[:4]
+    _, _, manual = plain_logprobs(model, batch)
+    reference = BaseReference(engine).sequence_logprobs(batch, TEMPERATURE)
+    policy = engine.sequence_logprobs(batch, TEMPERATURE)
+    diff, moved = 0.0, 0.0
+    for row, (ref, pol) in enumerate(zip(reference, policy, strict=True)):
+        n = len(ref) - 1
+        diff = max(diff, float((torch.tensor(ref[1:]) - manual[row, :n]).abs().max()))
+        moved = max(moved, float((torch.tensor(ref) - torch.tensor(pol)).abs().max()))
+    result = {"max_abs_diff": diff, "policy_moved": moved}
+    (out / f"lora_reference_w{info.world_size}_rank{info.rank}.json").write_text(json.dumps(result))
+
+
+def plain_logprobs(model: str, batch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``batch`` right-padded (ids, mask) and the plain Hugging Face model's tempered token logprobs of it."""
+    from transformers import AutoModelForCausalLM
+
     width = max(len(s.input_ids) for s in batch)
     ids = torch.zeros((len(batch), width), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, seq in enumerate(batch):
         ids[row, : len(seq.input_ids)] = torch.tensor(seq.input_ids)
         mask[row, : len(seq.input_ids)] = 1
-    sharded = engine.token_logprobs(ids, mask, TEMPERATURE)
     plain = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     with torch.no_grad():
         logits = plain(input_ids=ids, attention_mask=mask).logits[:, :-1]
-    manual = torch.log_softmax(logits / TEMPERATURE, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return ids, mask, torch.log_softmax(logits / TEMPERATURE, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def check_logprobs(engine: Engine, model: str, out: Path, info: DistInfo) -> None:
+    batch = global_batch("varying", 0)[:4]
+    ids, mask, manual = plain_logprobs(model, batch)
+    sharded = engine.token_logprobs(ids, mask, TEMPERATURE)
     valid = mask[:, 1:].bool()
     result = {"max_abs_diff": float((sharded - manual)[valid].abs().max()), "shape": list(sharded.shape)}
     (out / f"logprobs_check_rank{info.rank}.json").write_text(json.dumps(result))
