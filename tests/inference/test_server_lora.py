@@ -279,3 +279,12 @@ def test_weight_names_stay_hugging_faces_with_adapters_in_the_model(tiny_model, 
     )
     lora_model.remove_adapter(runner, "id1")
     assert not any(".lora_" in k for k in runner.model.state_dict())
+
+
+def test_update_weight_version_sets_what_requests_report(lora_server):
+    """SGLang's ``/update_weight_version``, which a LoRA push sends after the load (a load changes no version)."""
+    status, out = lora_server.post("/update_weight_version", {"new_version": "7", "abort_all_requests": False})
+    assert (status, out) == (200, {"success": True, "message": "Weight version updated to 7", "new_version": "7"})
+    status, answer = lora_server.post("/generate", {**_greedy(), "lora_path": "a"})
+    assert status == 200 and answer["meta_info"]["weight_version"] == "7"
+    assert lora_server.post("/update_weight_version", {})[0] == 400  # new_version is required

@@ -88,6 +88,7 @@ PAUSE = {
     "mode": Field(lambda v: v in ("abort", "retract", "in_place"), 'one of "abort", "retract", "in_place"'),
 }
 CONTINUE = {**BASE, "torch_empty_cache": BOOL}
+WEIGHT_VERSION = {**BASE, "new_version": STR, "abort_all_requests": BOOL}
 ABORT = {
     **BASE,
     "abort_all": BOOL,

@@ -7,6 +7,8 @@
                                       tensor of the call, receives them in order, rank 0 loads them
     /end_weight_update                close the session; 400 if none is open
     /destroy_weights_update_group     leave the group on every rank
+    /update_weight_version            only the version requests report (after a LoRA adapter's load, say);
+                                      aborts every request first unless ``abort_all_requests`` is false
 
 An answer is ``{"success", "message"}``, 200 or 400. With ``flush_cache`` (the default) an update fails
 when requests are still running or queued (paused ones excepted), as SGLang's does: its cache flush is
@@ -72,6 +74,7 @@ class WeightUpdates:
             web.post("/update_weights_from_distributed", self.update_from_distributed),
             web.post("/end_weight_update", self.end),
             web.post("/destroy_weights_update_group", self.destroy_group),
+            web.post("/update_weight_version", self.update_version),
             web.get("/get_weights_by_name", self.weights_by_name),
             web.post("/get_weights_by_name", self.weights_by_name),
         ]
@@ -206,6 +209,16 @@ class WeightUpdates:
         if failed:
             return answer(False, f"Failed to destroy custom process group: {'; '.join(failed)}.")
         return answer(True, "Succeeded to destroy custom process group.")
+
+    async def update_version(self, request: web.Request) -> web.Response:
+        """SGLang's ``update_weight_version``: ``abort_all_requests`` defaults to true there too."""
+        body = await read_body(request, requests.WEIGHT_VERSION)
+        version = field(body, "new_version", str)
+        if body.get("abort_all_requests", True):
+            self.scheduler.abort()
+        self.scheduler.weight_version = version
+        message = f"Weight version updated to {version}"
+        return web.json_response({"success": True, "message": message, "new_version": version})
 
     async def weights_by_name(self, request: web.Request) -> web.Response:
         """SGLang's test endpoint: the first ``truncate_size`` rows of a parameter, as numbers."""
