@@ -127,6 +127,17 @@ def lora_problem(trainer_state: dict, lora: LoRAConfig) -> str | None:
     return f"its LoRA adapter is {_describe(saved)}, this run's train.lora is {_describe(ours)}: resume with the same"
 
 
+def checkpoint_lora_problem(directory: str | Path, lora: LoRAConfig) -> str | None:
+    """``lora_problem`` of the checkpoint in ``directory`` (reading its ``trainer_state.json`` alone, no collective):
+    whether a run with ``train.lora`` can resume from it, checked before any trainer starts. None also when the
+    state file cannot be read: ``check_checkpoint`` says what is wrong with it."""
+    try:
+        trainer_state = json.loads((Path(directory) / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return lora_problem(trainer_state, lora) if isinstance(trainer_state, dict) else None
+
+
 def _lora_record(lora: LoRAConfig) -> dict | None:
     """What decides the adapter's tensors and their meaning; None for full fine-tuning."""
     if lora.rank <= 0:

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from hpcrl.config.schema import Config, LoRAConfig, TrainConfig
 from hpcrl.rpc.messages import ExportWeights
 from hpcrl.train.batch import Sequence
-from hpcrl.train.checkpoint import STATE_FILE, load_checkpoint, save_checkpoint
+from hpcrl.train.checkpoint import STATE_FILE, checkpoint_lora_problem, load_checkpoint, save_checkpoint
 from hpcrl.train.dist import init_distributed
 from hpcrl.train.engine import Engine
 from hpcrl.train.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BaseReference, LoraAdapterRequest, lora_targets_problem
@@ -275,6 +275,9 @@ def test_a_checkpoint_loads_only_into_a_run_of_the_same_kind(make_engine, tmp_pa
         assert "a LoRA adapter (rank 4, alpha 8," in message and "this run trains full weights" in message
     else:
         assert "full weights and no LoRA adapter" in message and "resume with train.lora.rank=0" in message
+    # the same line before launch, from the state file alone
+    assert checkpoint_lora_problem(path, (full if saved_lora else TRAIN).lora) == message.split(": ", 1)[1]
+    assert checkpoint_lora_problem(path, (TRAIN if saved_lora else full).lora) is None
     other_rank = replace(TRAIN, lora=replace(TRAIN.lora, rank=8))
     if saved_lora:
         with pytest.raises(ValueError, match=r"its LoRA adapter is rank 4, .* this run's train.lora is rank 8"):
