@@ -183,7 +183,8 @@ class TrainerService(EngineService):
         return Ack()
 
     def export_for_servers(self, msg: ExportWeights) -> Ack:
-        """The disk weight sync's export: the weights alone, for ``/update_weights_from_disk`` (``push_to_disk``)."""
+        """The disk weight sync's export (``push_to_disk``): the weights alone, for ``/update_weights_from_disk``; with
+        LoRA the adapter in PEFT's layout, for ``/load_lora_adapter``."""
         push_to_disk(self.engine, msg.path)
         return Ack()
 
