@@ -288,3 +288,24 @@ def test_update_weight_version_sets_what_requests_report(lora_server):
     status, answer = lora_server.post("/generate", {**_greedy(), "lora_path": "a"})
     assert status == 200 and answer["meta_info"]["weight_version"] == "7"
     assert lora_server.post("/update_weight_version", {})[0] == 400  # new_version is required
+
+
+def test_a_request_arriving_while_paused_gets_the_adapter_loaded_before_continue(lora_server, tiny_model, adapters):
+    """A LoRA push (pause, unload, load under the same name, continue): SGLang's request waits out the pause before
+    looking its adapter up, so it runs on the new adapter, and the unload does not wait for it."""
+    assert lora_server.post("/load_lora_adapter", {"lora_name": "swap", "lora_path": adapters["a"]})[0] == 200
+    assert lora_server.post("/pause_generation", {"mode": "abort"})[0] == 200
+    done = {}
+    body = {**_greedy(), "lora_path": "swap", "return_logprob": True}
+    arriving = threading.Thread(target=lambda: done.update(answer=lora_server.post("/generate", body)))
+    arriving.start()
+    time.sleep(0.3)
+    try:
+        assert lora_server.post("/unload_lora_adapter", {"lora_name": "swap"}, timeout=10)[0] == 200
+        assert _load_from_tensors(lora_server, "swap", adapters["b"])[0] == 200
+    finally:
+        lora_server.post("/continue_generation", {})
+    arriving.join(60)
+    status, answer = done["answer"]
+    assert status == 200
+    _check_against(_reference(tiny_model, adapters["b"]), answer)

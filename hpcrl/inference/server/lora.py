@@ -12,7 +12,8 @@ LoRA routes without ``--enable-lora``; a name already loaded; an adapter whose r
 not within ``--lora-target-modules``; DoRA, or tokens added to the vocabulary; a pinned adapter that would
 pin every slot of ``--max-loras-per-batch``; unloading a name not loaded.
 
-A ``/generate`` names its adapter with ``lora_path`` (``resolve``): an adapter never loaded is a 400 with
+A ``/generate`` names its adapter with ``lora_path`` (``resolve``, after any pause of generation has ended,
+as SGLang's requests wait for it before they look their adapters up): an adapter never loaded is a 400 with
 SGLang's message; one that was loaded and then unloaded is loaded again from its path first, as SGLang's
 tokenizer manager does (an adapter loaded from tensors has no path: that load fails, and the request with
 it). A request holds its adapters until each of its sequences has finished; an unload takes the name out
@@ -272,6 +273,9 @@ class Adapters:
         use until ``release``; SGLang's ``_validate_and_resolve_lora`` and ``LoRARegistry.acquire``."""
         if not lora_path:
             return [None] * len(names)
+        # SGLang's request waits out a pause before it looks its adapters up: a push that unloads and loads an
+        # adapter while generation is paused is what the requests arriving meanwhile find
+        await self.scheduler.wait_resumed()
         if not self.settings.enabled:
             first = lora_path if isinstance(lora_path, str) else next((a for a in lora_path if a), None)
             raise RequestError(

@@ -127,6 +127,10 @@ class Scheduler:
         self._work.set()
         await self._notify()
 
+    async def wait_resumed(self) -> None:
+        """Return once generation is not paused (at once when it is not)."""
+        await self._resumed.wait()
+
     async def update_weights(self, apply: Callable[[], None], version: str | None) -> None:
         """Run ``apply`` on the torch thread once no batch decodes on the old weights (see module doc)."""
         self._updates_waiting += 1
