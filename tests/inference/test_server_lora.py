@@ -1,7 +1,9 @@
 """LoRA on hpcrl's CPU server as a real process over real HTTP, against PEFT's own reference, with SGLang 0.5.23's
 flags, routes, answers and refusals (``hpcrl/inference/server/lora.py``)."""
 
+import base64
 import json
+import pickle
 import threading
 import time
 from pathlib import Path
@@ -78,10 +80,12 @@ def _check_against(model, answer, prompt=PROMPT):
     assert logits.argmax(-1).tolist() == answer["output_ids"]
 
 
-def _load_from_tensors(server, name, adapter_dir, **extra):
+def _load_from_tensors(server, name, adapter_dir, plain=False, **extra):
+    """SGLang's payload: ``ForkingPickler`` (shared memory, this host) or, ``plain``, a pickle holding the bytes."""
     config = json.loads(Path(adapter_dir, "adapter_config.json").read_text())
     tensors = load_file(f"{adapter_dir}/adapter_model.safetensors")
-    body = {"lora_name": name, "config_dict": config, "serialized_named_tensors": [encode_named_tensors(tensors)]}
+    payload = base64.b64encode(pickle.dumps(tensors, protocol=4)).decode() if plain else encode_named_tensors(tensors)
+    body = {"lora_name": name, "config_dict": config, "serialized_named_tensors": [payload]}
     return server.post("/load_lora_adapter_from_tensors", {**body, **extra})
 
 
@@ -302,7 +306,7 @@ def test_a_request_arriving_while_paused_gets_the_adapter_loaded_before_continue
     time.sleep(0.3)
     try:
         assert lora_server.post("/unload_lora_adapter", {"lora_name": "swap"}, timeout=10)[0] == 200
-        assert _load_from_tensors(lora_server, "swap", adapters["b"])[0] == 200
+        assert _load_from_tensors(lora_server, "swap", adapters["b"], plain=True)[0] == 200
     finally:
         lora_server.post("/continue_generation", {})
     arriving.join(60)

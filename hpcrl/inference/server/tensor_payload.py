@@ -2,8 +2,10 @@
 
 SGLang 0.5.23 encodes them with its ``MultiprocessingSerializer``: ``multiprocessing``'s ``ForkingPickler``
 (which ``torch.multiprocessing`` teaches to send a tensor's storage as shared memory: a file descriptor
-handed over by the sending process, or a file name), then base64 for JSON. The payload is only valid while
-the sender lives, on the same host, as for SGLang. Unpickling runs with an allow-list of globals (torch's
+handed over by the sending process, or a file name), then base64 for JSON; such a payload is only valid while
+the sender lives, on the same host, as for SGLang. A plain pickle carries each storage's bytes inline
+(``torch.storage._load_from_bytes``), which SGLang reads with ``torch.load(..., weights_only=True)``, as
+here: that is what a trainer on another node sends. Unpickling runs with an allow-list of globals (torch's
 tensor and storage rebuilders, dtypes, plain containers) as SGLang's ``SafeUnpickler`` does: a payload naming
 anything else is refused, never run.
 """
@@ -44,8 +46,18 @@ class PayloadError(ValueError):
     """A payload that is not base64 of a pickle this module accepts, or not a dict of named tensors."""
 
 
+def _storage_from_bytes(data: bytes):
+    """``torch.storage._load_from_bytes`` without its unrestricted ``torch.load``: a storage, or an error."""
+    storage = torch.load(io.BytesIO(data), weights_only=True)
+    if not isinstance(storage, (torch.TypedStorage, torch.UntypedStorage)):
+        raise PayloadError(f"expected a torch storage in the pickle, got {type(storage).__name__}")
+    return storage
+
+
 class _AllowListUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return _storage_from_bytes
         if name in _REBUILDERS.get(module, ()) or (
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         ):
