@@ -130,6 +130,8 @@ RULES: tuple[Rule, ...] = (
     Rule(("dataset.train_size",), _MOD10, "dataset=mod10"),
     Rule(("dataset.eval_size",), _MOD10, "dataset=mod10 (files: dataset.holdout)"),
     Rule(("train.weight_sync_bucket_mb",), equals("train.weight_sync", "distributed")),
+    # controller/adapter_sync.py: an adapter goes whole in one body, not in buckets over the group
+    Rule(("train.weight_sync_bucket_mb",), When(("train.lora.rank",), "train.lora.rank=0", lambda v: v == 0)),
     Rule(_keys("train.lora", "alpha dropout target_modules"), positive("train.lora.rank")),  # no adapter at 0
     Rule(("export.merged",), positive("train.lora.rank")),  # a full fine-tune's export is the whole model
     # inference/commands.py: the cpu server takes neither; SGLang has no batch wait of its own
@@ -320,6 +322,9 @@ def notes(cfg: Config) -> list[str]:
     if dtype == "bfloat16" and cfg.allocation.trainer.gpus_per_worker == 0:
         how = "run on CPUs (allocation.trainer.gpus_per_worker=0) and compute in float32 (bfloat16 needs a CUDA GPU)"
         out.append(f"model.dtype=bfloat16: the trainers {how}; the servers generate in bfloat16")
+    if cfg.train.lora.rank and cfg.train.weight_sync == "distributed":
+        how = "in the body of /load_lora_adapter_from_tensors (SGLang has no collective path for adapters)"
+        out.append(f"train.weight_sync=distributed with train.lora: the adapter goes to the servers {how}")
     if cfg.recover.mode == "auto" and cfg.checkpoint.every_steps == 0:
         out.append("recover.mode=auto with checkpoint.every_steps=0: this run writes no checkpoint to resume from")
     return out

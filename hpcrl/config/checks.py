@@ -331,9 +331,6 @@ def check_lora(lora: LoRAConfig) -> None:
     names = lora.target_modules
     ok = isinstance(names, list) and bool(names) and all(isinstance(n, str) and n for n in names)
     require(ok, "train.lora.target_modules", names, "a non-empty list of module names, e.g. [q_proj,v_proj]")
-    # Issue 32 is being built: the trainer, the servers and the weight sync do not take adapters yet, so a rank
-    # would be ignored. Refused until they do (this line goes when `train.lora.rank=8` trains end to end).
-    require(lora.rank == 0, "train.lora.rank", lora.rank, "0: LoRA training is not built yet (issue 32)")
 
 
 def check_lora_critic(cfg: Config) -> None:

@@ -67,6 +67,30 @@ def preflight(cfg: Config) -> None:
         raise ConfigError("metrics.loggers", cfg.metrics.loggers, expected)
     check_data(cfg, check_rewards(cfg))
     check_context(cfg)
+    check_lora_targets(cfg)
+
+
+def check_lora_targets(cfg: Config) -> None:
+    """With LoRA: every name of train.lora.target_modules is a module SGLang's --lora-target-modules takes
+    (``lora_args`` raises naming them) and a Linear module of the model (read from its config on the meta device: no
+    weights loaded; peft would skip a misspelt name beside good ones)."""
+    from hpcrl.inference.sglang import lora_args
+
+    lora = cfg.train.lora
+    if not lora.rank or not cfg.run.max_steps:  # evaluation only trains no adapter
+        return
+    lora_args(lora.rank, lora.target_modules)
+    from hpcrl.train.lora import lora_targets_problem
+
+    if cfg.model.source == "local":
+        model: object = evaluated_model_dir(cfg.model.path)
+    else:
+        from hpcrl.models.tiny import tiny_config
+
+        model = tiny_config(cfg.model.tiny)
+    problem = lora_targets_problem(model, list(lora.target_modules))
+    if problem is not None:
+        raise ConfigError("train.lora.target_modules", list(lora.target_modules), problem.split(": ", 1)[1])
 
 
 def check_rewards(cfg: Config) -> RewardFns:

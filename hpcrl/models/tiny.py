@@ -53,10 +53,29 @@ def make_tiny_model(
     untrained model already guesses a task's one-character answers at a useful rate.
     """
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM
 
     tokenizer = make_tokenizer(characters)
-    config = Qwen2Config(
+    sizes = (hidden_size, num_layers, num_heads, intermediate_size, max_positions)
+    config = qwen2_config(tokenizer, *sizes)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    mark_exact(out)  # loaded as saved, not rebuilt as a byte-level Qwen2 tokenizer (tokenizer.py)
+    return out
+
+
+def qwen2_config(tokenizer, hidden_size: int, num_layers: int, num_heads: int, intermediate_size: int,
+                 max_positions: int = MAX_POSITIONS):  # fmt: skip
+    """The tiny model's transformers config: a Qwen2 of these sizes with tied embeddings, for ``tokenizer``."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         num_hidden_layers=num_layers,
@@ -69,16 +88,12 @@ def make_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
     )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    mark_exact(out)  # loaded as saved, not rebuilt as a byte-level Qwen2 tokenizer (tokenizer.py)
-    return out
+
+
+def tiny_config(tiny):
+    """The config of the tiny model ``model.tiny`` (a ``TinyModelConfig``) makes, with the full alphabet: its module
+    names, for checks before the model is made."""
+    return qwen2_config(make_tokenizer(), tiny.hidden_size, tiny.num_layers, tiny.num_heads, tiny.intermediate_size)
 
 
 def main(argv: list[str] | None = None) -> None:

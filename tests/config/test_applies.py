@@ -147,7 +147,7 @@ def test_the_issues_examples_are_named_exactly_where_they_do_nothing(modes):
         "inference.mem_fraction_static": lambda c: c.allocation.server.backend == "cpu",
         "inference.extra_args": lambda c: c.allocation.server.backend == "cpu",
         "inference.batch_wait_ms": lambda c: c.allocation.server.backend == "sglang",
-        "train.weight_sync_bucket_mb": lambda c: c.train.weight_sync == "disk",
+        "train.weight_sync_bucket_mb": lambda c: c.train.weight_sync == "disk" or c.train.lora.rank > 0,
     }
     for mode, cfg, launcher in modes:
         for key, does_nothing in expected.items():
@@ -206,6 +206,15 @@ def test_a_dtype_the_trainers_do_not_compute_in_is_a_note(dtype):
             ]
         )
     assert notes(load()) == []
+
+
+def test_lora_with_distributed_sync_is_a_note_saying_how_the_adapter_goes():
+    assert not [n for n in notes(compose_config(["train.lora.rank=8"])) if "lora" in n]
+    cfg = compose_config(["train.lora.rank=8", "train.weight_sync=distributed"])
+    assert [n for n in notes(cfg) if "lora" in n] == [
+        "train.weight_sync=distributed with train.lora: the adapter goes to the servers in the body of "
+        "/load_lora_adapter_from_tensors (SGLang has no collective path for adapters)"
+    ]
 
 
 def test_resuming_a_run_that_writes_no_checkpoint_is_a_note():

@@ -142,7 +142,6 @@ def test_multirun_fails_before_the_launcher_submits(main_cli, tmp_path):
         (["train.lora.alpha=0"], "train.lora.alpha", "a number > 0"),
         (["train.lora.dropout=1.0"], "train.lora.dropout", "a probability in [0, 1)"),
         (["train.lora.target_modules=[]"], "train.lora.target_modules", "a non-empty list of module names"),
-        (["train.lora.rank=8"], "train.lora.rank", "0: LoRA training is not built yet (issue 32)"),
         (["model=local"], "model.path", "a local model directory"),
         (["model.tiny.num_heads=3"], "model.tiny.num_heads", "a divisor of hidden_size=128"),
         (["dataset=files"], "dataset.train_files", "files for name=files"),

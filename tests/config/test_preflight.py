@@ -199,3 +199,25 @@ def test_evaluation_only_holds_out_rows_without_a_training_batch_left(tmp_path):
     with pytest.raises(ConfigError, match="fewer than one batch"):  # a training run needs 64 rows left
         data_line(load(*files))
     assert "50 to train on, 200 held out" in data_line(load(*files, "run.max_steps=0"))
+
+
+@pytest.mark.parametrize(
+    ("targets", "expected"),
+    [
+        ("[q_proj,v_prj]", "module names SGLang's --lora-target-modules takes ("),
+        (
+            "[q_proj,qkv_proj]",
+            "'qkv_proj' matches no Linear module of the model (Qwen2ForCausalLM); its Linear modules are named "
+            "['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj', 'up_proj', 'v_proj']",
+        ),
+    ],
+)
+def test_lora_targets_are_modules_sglang_takes_and_the_model_has(tiny_model, targets, expected):
+    from hpcrl.config.preflight import check_lora_targets
+    from tests.config.compose import load
+
+    for model in ([], ["model=local", f"model.path={tiny_model}"]):  # the tiny model's config, and a directory's
+        check_lora_targets(load(*model, "train.lora.rank=8"))  # the default targets: all of them there
+        with pytest.raises(ConfigError) as err:
+            check_lora_targets(load(*model, "train.lora.rank=8", f"train.lora.target_modules={targets}"))
+        assert err.value.path == "train.lora.target_modules" and expected in err.value.expected
