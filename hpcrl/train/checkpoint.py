@@ -145,7 +145,7 @@ def _lora_record(lora: LoRAConfig) -> dict | None:
     return {"rank": lora.rank, "alpha": float(lora.alpha), "target_modules": sorted(lora.target_modules)}
 
 
-def _describe(record: dict) -> str:
+def _describe(record: Any) -> str:
     return f"rank {record['rank']}, alpha {record['alpha']:g}, target_modules {record['target_modules']}"
 
 

@@ -41,9 +41,11 @@ def peft_config(lora: LoRAConfig, base_path: str | Path = ""):
     """peft's ``LoraConfig`` for ``train.lora``; ``base_path`` is recorded as the adapter's base model."""
     from peft import LoraConfig
 
+    # peft types lora_alpha as an int and writes it so: a whole alpha goes as one (a fractional one scales right too)
+    alpha = int(lora.alpha) if float(lora.alpha).is_integer() else lora.alpha
     return LoraConfig(
         r=lora.rank,
-        lora_alpha=lora.alpha,
+        lora_alpha=alpha,  # type: ignore[arg-type]
         lora_dropout=lora.dropout,
         target_modules=list(lora.target_modules),
         task_type="CAUSAL_LM",
@@ -106,7 +108,7 @@ def is_peft(model: nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
-def adapter_config(model: nn.Module) -> dict[str, Any]:
+def adapter_config(model: Any) -> dict[str, Any]:
     """The adapter's config as PEFT writes ``adapter_config.json`` (JSON types only, ``inference_mode`` true):
     SGLang's ``config_dict``."""
     config = copy.copy(model.peft_config["default"])
@@ -155,7 +157,7 @@ class BaseReference:
         self.engine = engine
 
     def sequence_logprobs(self, sequences: list[Sequence], temperature: float = 1.0) -> list[list[float]]:
-        model, _ = self.engine.require_setup()
+        model: Any = self.engine.require_setup()[0]  # a peft model: the engine wraps it with LoRA on
         with model.disable_adapter():
             return self.engine.sequence_logprobs(sequences, temperature)
 

@@ -53,9 +53,11 @@ class ValueEngine(Engine):
         which token ``t`` was chosen (entry 0 is 0.0). Micro-batched, no update. Collective."""
         return self._per_sequence(sequences, temperature=1.0)
 
-    def export_hf(self, out_dir: str | Path) -> Path:
+    def export_hf(self, out_dir: str | Path, merged: bool = False) -> Path:
         """The value model as ``ValueModel.save_pretrained`` writes it (backbone + ``value_head.safetensors``),
-        which ``model.critic_path`` reads back. Collective; rank 0 writes."""
+        which ``model.critic_path`` reads back. Collective; rank 0 writes. ``merged`` is refused: no adapter here."""
+        if merged:
+            raise ValueError("export.merged applies to the policy's LoRA adapter; the critic trains full weights")
         model, info = self.require_setup()
         out, state = Path(out_dir), self.full_state_dict()
 
