@@ -293,14 +293,14 @@ class Adapters:
             result = await self.load(ref.name, ref.path, ref.pinned)
             if not result["success"] and "already loaded" not in result["error_message"]:
                 raise RequestError(f"Failed to implicitly load LoRA adapter {name}: {result['error_message']}")
-        ids = []
-        for name in names:
-            if name is not None and name not in self.registry:  # unloaded again while this request reloaded it
+        ids: list[str | None] = []
+        for wanted in names:
+            if wanted is not None and wanted not in self.registry:  # unloaded again while this request reloaded it
                 raise RequestError(
-                    f"The following requested LoRA adapters are not loaded: {name}\n"
+                    f"The following requested LoRA adapters are not loaded: {wanted}\n"
                     f"Loaded adapters: {self.registry.keys()}."
                 )
-            ids.append(None if name is None else self.registry[name].id)
+            ids.append(None if wanted is None else self.registry[wanted].id)
         for adapter_id in ids:
             if adapter_id is not None:
                 self.in_use[adapter_id] += 1

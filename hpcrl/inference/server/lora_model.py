@@ -96,7 +96,7 @@ def _names(keys: list[str], adapter_id: str) -> list[str]:
     return shown + (["..."] if len(keys) > 5 else [])
 
 
-def _lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+def _lora_layers(model: torch.nn.Module) -> list[Any]:
     from peft.tuners.lora import LoraLayer
 
     return [m for m in model.modules() if isinstance(m, LoraLayer)]

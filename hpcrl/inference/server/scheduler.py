@@ -213,7 +213,8 @@ class Scheduler:
     def _take(self, room: int, adapters: set[str | None]) -> list[Sequence]:
         """Up to ``room`` waiting sequences, in order, skipping those whose adapter would make the batch's
         distinct adapters (``adapters``, updated) more than ``max_loras_per_batch``."""
-        taken, kept = [], deque()
+        taken: list[Sequence] = []
+        kept: deque[Sequence] = deque()
         while self.waiting and len(taken) < room:
             seq = self.waiting.popleft()
             if seq.lora in adapters or len(adapters) < self.max_loras_per_batch:
