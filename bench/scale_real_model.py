@@ -17,18 +17,18 @@ README.md ("Scale check") and bench/README.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
 import random
-import subprocess
-import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
-from _jobs import REPO, read_metrics, table
+from _jobs import JobResult, run_job, table
 
 # what a process of a job is, by its command line
 ROLES = (
@@ -86,14 +86,19 @@ def sample(root: psutil.Process, peaks: dict[int, tuple[str, int]]) -> None:
         peaks[p.pid] = (role, max(peak, rss))
 
 
-def run(args: argparse.Namespace, work: Path) -> None:
+def make_inputs(args: argparse.Namespace, work: Path) -> tuple[Path, Path]:
+    """The chat model of ``args.shape`` and the GSM8K-style rows, written under ``work``: (model dir, rows file)."""
     from hpcrl.models.chat import make_chat_model, parameter_count
 
     t0 = time.monotonic()
     model = make_chat_model(work / "model", shape=args.shape, tokenizer_vocab=4000, seed=0)
     print(f"made {model}: {parameter_count(model) / 1e6:.1f}M parameters in {time.monotonic() - t0:.0f} s", flush=True)
-    data = write_rows(work / "train.jsonl", 64)
-    overrides = [
+    return model, write_rows(work / "train.jsonl", 64)
+
+
+def job_overrides(args: argparse.Namespace, model: Path, data: Path) -> list[str]:
+    """The job's hpcrl overrides (all but where its run directory goes)."""
+    return [
         "experiment=gsm8k",
         f"model.path={model}",
         f"model.dtype={args.dtype}",
@@ -104,34 +109,50 @@ def run(args: argparse.Namespace, work: Path) -> None:
         f"algorithm.group_size={args.group}",
         f"rollout.max_new_tokens={args.new_tokens}",
         "reward.workers=1",
-        "allocation.trainer.workers=2",
+        f"allocation.trainer.workers={args.ranks}",
         "checkpoint.every_steps=0",
-        f"run.root={work / 'runs'}",
-        "run.trial=scale",
         # a 494M-parameter model on CPU: loading, a disk weight sync and an evaluation each take minutes
         "cluster.roles.server.setup_timeout_s=1200",
         "cluster.roles.trainer.setup_timeout_s=1200",
         "rollout.request_timeout_s=1800",
     ]
-    cmd = [sys.executable, "-m", "hpcrl.main", *overrides]
-    print("+ " + " ".join(cmd), flush=True)
-    out = work / "job.out"
+
+
+@contextlib.contextmanager
+def sampling(peaks: dict[int, tuple[str, int]]) -> Iterator[None]:
+    """Sample the process trees this process starts (the job) into ``peaks`` twice a second until the block ends."""
+    stop, me = threading.Event(), psutil.Process()
+
+    def loop() -> None:
+        while not stop.wait(0.5):
+            for child in me.children():
+                sample(child, peaks)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def run_sampled(overrides: list[str], work: Path, trial: str, timeout_s: float = 1800) -> tuple[JobResult, dict]:
+    """``_jobs.run_job`` with every process's peak resident memory: (result, {pid: (role, peak bytes)})."""
+    print(f"+ python -m hpcrl.main {' '.join(overrides)}", flush=True)
     peaks: dict[int, tuple[str, int]] = {}
-    start = time.monotonic()
-    with out.open("w") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env={**os.environ})
-        root = psutil.Process(proc.pid)
-        while proc.poll() is None:
-            sample(root, peaks)
-            time.sleep(0.5)
-    wall = time.monotonic() - start
-    text = out.read_text()
-    if proc.returncode != 0:
-        raise SystemExit(f"the job failed ({proc.returncode}):\n{text[-4000:]}")
-    report(peaks, read_metrics(work / "runs" / "gsm8k" / "scale" / "metrics.jsonl"), text, wall)
+    with sampling(peaks):
+        result = run_job(overrides, work, trial, timeout_s=timeout_s)
+    return result, peaks
 
 
-def report(peaks: dict[int, tuple[str, int]], metrics: list[dict], text: str, wall: float) -> None:
+def run(args: argparse.Namespace, work: Path) -> None:
+    model, data = make_inputs(args, work)
+    result, peaks = run_sampled(job_overrides(args, model, data), work, "scale")
+    report(peaks, result)
+
+
+def report(peaks: dict[int, tuple[str, int]], result: JobResult) -> None:
     by_role: dict[str, list[int]] = defaultdict(list)
     for role, peak in peaks.values():
         by_role[role].append(peak)
@@ -139,22 +160,29 @@ def report(peaks: dict[int, tuple[str, int]], metrics: list[dict], text: str, wa
     print("\npeak resident memory, by process (GiB; the largest of each kind):")
     print(table(("process", "count", "peak GiB"), rows))
     steps = [
-        (m["step"], m["time_step_s"], m["time_rollout_wait_s"], m["time_train_s"], m["time_sync_s"]) for m in metrics
+        (m["step"], m["time_step_s"], m["time_rollout_wait_s"], m["time_train_s"], m["time_sync_s"])
+        for m in result.metrics
     ]
     print("\nsteps (s):")
     print(table(("step", "step", "rollout wait", "train", "weight sync"), steps))
-    print(f"\nwhole command: {wall:.0f} s (start-up, two evaluations, the final export included)")
-    print("summary:", text.strip().splitlines()[-1])
+    print(f"\nwhole command: {result.process_s:.0f} s (start-up, two evaluations, the final export included)")
+    print("summary:", json.dumps(result.summary))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_job_args(parser: argparse.ArgumentParser) -> None:
+    """The job's sizes, as ``job_overrides`` reads them."""
     parser.add_argument("--shape", default="qwen2.5-0.5b", help="hpcrl.models.chat.SHAPES")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=2, help="rollout.prompts_per_step")
     parser.add_argument("--group", type=int, default=4, help="algorithm.group_size")
     parser.add_argument("--new-tokens", type=int, default=32, help="rollout.max_new_tokens")
     parser.add_argument("--dtype", default="float32", help="model.dtype of the servers (bfloat16 is slow on CPUs)")
+    parser.add_argument("--ranks", type=int, default=2, help="allocation.trainer.workers (2: FSDP2 over gloo)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_job_args(parser)
     parser.add_argument("--keep", type=Path, help="work in this directory and keep it (default: a temporary one)")
     parser.add_argument("--quick", action="store_true", help="the tiny shape: checks the script, measures nothing")
     args = parser.parse_args()
