@@ -51,6 +51,7 @@ def validate(cfg: Config) -> Config:
     dataset = check_dataset(cfg.dataset)
     check_train(cfg.train)
     check_lora_critic(cfg)
+    check_lora_servers(cfg.train.lora, allocation)
     check_schedule(cfg)
     check_minibatches(cfg)
     check_rollout(cfg.rollout)
@@ -339,6 +340,14 @@ def check_lora_critic(cfg: Config) -> None:
     if cfg.train.lora.rank and cfg.algorithm.advantage == "gae":
         expected = "0 with a critic (algorithm.advantage=gae, algorithm=ppo): LoRA trains the policy only"
         raise ConfigError("train.lora.rank", cfg.train.lora.rank, expected)
+
+
+def check_lora_servers(lora: LoRAConfig, allocation: AllocationConfig) -> None:
+    """hpcrl's CPU server applies adapters on one rank only (it refuses --enable-lora with --tp-size > 1)."""
+    server = allocation.server
+    if lora.rank and server.backend == "cpu" and server.tp_size > 1:
+        expected = "1 with train.lora on the cpu server (it applies adapters on one rank; SGLang takes tp > 1)"
+        raise ConfigError("allocation.server.tp_size", server.tp_size, expected)
 
 
 def check_schedule(cfg: Config) -> None:

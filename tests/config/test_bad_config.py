@@ -139,6 +139,7 @@ def test_multirun_fails_before_the_launcher_submits(main_cli, tmp_path):
         (["train.lr=0"], "train.lr", "a number > 0"),
         (["train.weight_sync=nfs"], "train.weight_sync", "one of disk, distributed"),
         (["train.lora.rank=-1"], "train.lora.rank", "an integer >= 0 (0 = no LoRA"),
+        (["train.lora.rank=8", "allocation.spec=cpu:d1t2+fsdp:d1g0"], "allocation.server.tp_size", "1 with train.lora"),
         (["train.lora.alpha=0"], "train.lora.alpha", "a number > 0"),
         (["train.lora.dropout=1.0"], "train.lora.dropout", "a probability in [0, 1)"),
         (["train.lora.target_modules=[]"], "train.lora.target_modules", "a non-empty list of module names"),
