@@ -24,112 +24,59 @@ before any request names it. A restarted server (``ServerPool``) loads the curre
 from __future__ import annotations
 
 import asyncio
-import logging
-import shutil
 from pathlib import Path
 from typing import Any
 
+from hpcrl.controller.weights import WeightSync
 from hpcrl.inference.client import InferenceClient
 from hpcrl.inference.options import POLICY_ADAPTER
 
-log = logging.getLogger(__name__)
 
+class AdapterSync(WeightSync):
+    """``WeightSync``'s push (its lock, the workflows held meanwhile, the older exports' deletion) with an adapter
+    for the weights: ``_source`` and ``_send`` are the module docstring's."""
 
-class AdapterSync:
-    def __init__(
-        self,
-        mode: str,
-        client: InferenceClient,
-        trainers,
-        resumed: asyncio.Event,
-        weights_dir: Path,
-        *,
-        dtype: str = "float32",  # the servers' dtype: the tensors a distributed push sends
-    ):
-        self.mode, self.client, self.trainers, self.resumed = mode, client, trainers, resumed
-        self.weights_dir, self.dtype = weights_dir, dtype
-        self.episodes: Any = None  # rollout.remote.RemoteEpisodes when rollout workers run the episodes
-        self.lock = asyncio.Lock()  # held by a push, and by a restarted server loading ``current``
-        self.current: tuple[Any, int] | None = None  # the adapter the servers hold (a path, or config and tensors)
-        self.cleanup: asyncio.Task | None = None  # disk: the older exports' deletion, after the last push
+    def __init__(self, mode: str, client: InferenceClient, trainers, resumed: asyncio.Event, weights_dir: Path, *,
+                 dtype: str = "float32"):  # fmt: skip
+        super().__init__(mode, client, trainers, resumed, weights_dir, dtype=dtype)
+        self.loaded: tuple[Any, int] | None = None  # the adapter the servers hold (a path, or config and tensors)
 
     async def setup(self) -> None:
         """The initial adapter (version 0) on every server, before any request names it."""
         await self.push(0)
 
-    async def export_path(self, version: int) -> str:
-        """Disk: where the train call that makes ``version`` writes the adapter; distributed: "" (sent in the body)."""
-        if self.mode != "disk":
-            return ""
-        await self._cleaned()
-        return str(self._path(version))
-
-    async def push(self, version: int, *, exported: bool = False) -> None:
-        """The servers get ``version``'s adapter; ``exported``: the trainers already wrote it to ``export_path``."""
-        async with self.lock:
-            await self._cleaned()
-            source = await self._source(version, exported)
-            self.resumed.clear()
-            if self.episodes is not None:  # rollout workers hold their resubmissions until the servers resume
-                await self.episodes.pause()
-            try:
-                await self.client.pause("abort")
-                try:
-                    if self.current is not None:
-                        await self.client.unload_lora_adapter(POLICY_ADAPTER)
-                    await self._load(source, version, None)
-                    self.current = (source, version)
-                finally:
-                    await self.client.resume()
-            finally:
-                if self.episodes is not None:
-                    await self.episodes.resume()
-                self.resumed.set()
-            if self.mode == "disk":  # in a thread, while the run goes on: awaited by the next push or close()
-                self.cleanup = asyncio.create_task(asyncio.to_thread(self._drop_older, Path(source)))
-
     async def load_current(self, servers: list[str]) -> int | None:
         """A restarted server (it holds no adapter) loads the current one; called under ``lock``. Its version."""
-        if self.current is None:
+        if self.loaded is None:
             return None
-        source, version = self.current
+        source, version = self.loaded
         await self._load(source, version, servers)
         return version
 
     async def _source(self, version: int, exported: bool) -> Any:
         """What the servers load: the adapter's directory (disk), or its config and tensors (distributed)."""
         if self.mode == "disk":
-            path = self._path(version)
-            if not exported:  # else a missing export fails the servers' load, which names the path
-                await self.trainers.export_for_servers(path)
-            return str(path)
+            return await self._export(version, exported)
         config, tensors = await self.trainers.lora_adapter()
         return config, await asyncio.to_thread(_as_dtype, tensors, self.dtype)
 
+    async def _send(self, source: Any, version: int) -> None:
+        await self.client.pause("abort")
+        try:
+            if self.loaded is not None:
+                await self.client.unload_lora_adapter(POLICY_ADAPTER)
+            await self._load(source, version, None)
+            self.loaded = (source, version)
+        finally:
+            await self.client.resume()
+
     async def _load(self, source: Any, version: int, servers: list[str] | None) -> None:
         if self.mode == "disk":
-            await self.client.load_lora_adapter(POLICY_ADAPTER, source, servers=servers)
+            await self.client.load_lora_adapter(POLICY_ADAPTER, str(source), servers=servers)
         else:
             config, tensors = source
             await self.client.load_lora_adapter_from_tensors(POLICY_ADAPTER, config, tensors, servers=servers)
         await self.client.update_weight_version(version, servers=servers)
-
-    def _path(self, version: int) -> Path:
-        return self.weights_dir / f"v{version:06d}"
-
-    def _drop_older(self, path: Path) -> None:
-        """The servers hold ``path``: the older exports go, those of an interrupted earlier run too."""
-        for old in self.weights_dir.glob("v*"):
-            if old != path:
-                shutil.rmtree(old, ignore_errors=True)
-
-    async def _cleaned(self) -> None:
-        if self.cleanup is not None:
-            await self.cleanup
-            self.cleanup = None
-
-    async def close(self) -> None:
-        await self._cleaned()
 
 
 def _as_dtype(tensors: dict[str, Any], dtype: str) -> dict[str, Any]:

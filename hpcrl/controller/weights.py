@@ -93,25 +93,33 @@ class WeightSync:
         """The servers get ``version``; ``exported``: the trainers already wrote it to ``export_path(version)``."""
         async with self.lock:
             await self._cleaned()
-            exported_to = await self._export(version, exported) if self.mode == "disk" else None
+            source = await self._source(version, exported)
             self.resumed.clear()
             if self.episodes is not None:  # rollout workers hold their resubmissions until the servers resume
                 await self.episodes.pause()
             try:
-                if exported_to is not None:
-                    await self.client.update_weights_from_disk(str(exported_to), version, abort_all_requests=True)
-                else:
-                    await self.client.pause("abort")
-                    try:
-                        await self._push_distributed(version)
-                    finally:
-                        await self.client.resume()
+                await self._send(source, version)
             finally:
                 if self.episodes is not None:
                     await self.episodes.resume()
                 self.resumed.set()
-            if exported_to is not None:  # in a thread, while the run goes on: awaited by the next push or close()
-                self.cleanup = asyncio.create_task(asyncio.to_thread(self._drop_older, exported_to))
+            if self.mode == "disk":  # in a thread, while the run goes on: awaited by the next push or close()
+                self.cleanup = asyncio.create_task(asyncio.to_thread(self._drop_older, Path(source)))
+
+    async def _source(self, version: int, exported: bool) -> Any:
+        """What the servers get, made while they go on generating: disk, the export's directory; else nothing."""
+        return await self._export(version, exported) if self.mode == "disk" else None
+
+    async def _send(self, source: Any, version: int) -> None:
+        """The servers take ``version`` (generation closed to the workflows meanwhile)."""
+        if self.mode == "disk":
+            await self.client.update_weights_from_disk(str(source), version, abort_all_requests=True)
+            return
+        await self.client.pause("abort")
+        try:
+            await self._push_distributed(version)
+        finally:
+            await self.client.resume()
 
     async def load_current(self, servers: list[str]) -> int | None:
         """A restarted server loads the newest export (disk mode; called under ``lock``): its version, or None
