@@ -16,15 +16,16 @@ from tests.controller.test_job import metrics_of, run_job, summary_of
 STEPS, EVAL_SIZE = 6, 100
 
 
-def greedy_accuracy_of(model_dir, rows) -> float:
-    """Greedy completions of ``rows``' prompts by the model in ``model_dir``, scored by the task's reward, as the
-    run's evaluation does (two new tokens, the end-of-sequence token and padding dropped)."""
+def greedy_accuracy_of(model_dir, rows, model=None) -> float:
+    """Greedy completions of ``rows``' prompts by the model in ``model_dir`` (or ``model``, with that directory's
+    tokenizer), scored by the task's reward, as the run's evaluation does (two new tokens, the end-of-sequence token
+    and padding dropped)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from hpcrl.models.tokenizer import load_tokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = model or AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = load_tokenizer(model_dir)
     scores = []
     with torch.no_grad():

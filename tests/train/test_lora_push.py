@@ -91,3 +91,22 @@ def test_the_adapters_tensors_in_the_body_serve_the_trainers_adapted_model(engin
 
     asyncio.run(load())
     check_served(engine, server.address, "tensors")
+
+
+def test_a_second_push_under_the_same_name_serves_the_new_adapter(engine, server, tmp_path):
+    """AdapterSync's order: unload the held adapter, load the new one under the same name (a server must not keep
+    the first one's weights, nor reload them from its old path)."""
+
+    async def load(path, unload: bool) -> None:
+        async with InferenceClient([server.address]) as client:
+            if unload:
+                await client.unload_lora_adapter("policy")
+            await client.load_lora_adapter("policy", str(path))
+
+    asyncio.run(load(push_to_disk(engine, tmp_path / "v1"), unload=False))
+    check_served(engine, server.address, "policy")
+    batch = [Sequence([3, *PROMPT, 12, 13, 14], [0] * 5 + [1] * 3, advantage=1.0)]
+    for _ in range(3):
+        engine.train_step(batch, lambda lp, mb, norm: (-(lp * mb.loss_mask).sum() / norm.tokens, {}))
+    asyncio.run(load(push_to_disk(engine, tmp_path / "v2"), unload=True))
+    check_served(engine, server.address, "policy")
