@@ -248,3 +248,22 @@ def test_a_newest_checkpoint_with_its_trainer_state_cut_short_resumes_from_the_o
         "step_000006.broken",
         "step_000008",
     ]
+
+
+@pytest.mark.slow
+def test_a_lora_run_resumed_from_its_checkpoint_goes_on_as_the_uninterrupted_one(tmp_path):
+    """The adapter and its optimizer state are all a LoRA checkpoint holds: resumed at step 3 (its adapter loaded
+    into the trainers and pushed to the servers first), steps 4-6 sample the same rewards and train the same loss
+    as a run that never stopped."""
+    lora = ["train.lora.rank=8", "train.lr=1e-3", "checkpoint.every_steps=3", "eval.every_steps=0"]
+    lora += ["eval.stop_at_accuracy=0", "rollout.prompts_per_step=8"]
+    whole = summary_of(run_job(tmp_path, "run.trial=whole", "run.max_steps=6", *lora))
+    summary_of(run_job(tmp_path, "run.trial=cut", "run.max_steps=3", *lora))
+    resumed = run_job(tmp_path, "run.trial=cut", "run.max_steps=6", "recover.mode=auto", *lora)
+    assert summary_of(resumed)["resumed_from_step"] == 3 and whole["steps"] == 6
+    keys = ("reward_mean", "loss", "grad_norm", "token_version_min")
+    rows = {trial: metrics_of(tmp_path / "default" / trial) for trial in ("whole", "cut")}
+    assert [r["step"] for r in rows["cut"]] == list(range(1, 7))
+    assert [[r[k] for k in keys] for r in rows["cut"][3:]] == [[r[k] for k in keys] for r in rows["whole"][3:]]
+    checkpoint = tmp_path / "default" / "cut" / "checkpoints" / "step_000003"
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["lora"]["rank"] == 8
