@@ -20,17 +20,13 @@ import copy
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from hpcrl.config.schema import LoRAConfig
 from hpcrl.rpc.messages import register
-
-if TYPE_CHECKING:
-    from hpcrl.train.batch import Sequence
-    from hpcrl.train.engine import Engine
 
 ADAPTER_CONFIG = "adapter_config.json"  # PEFT's file names (peft.utils.constants), which SGLang reads too
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -146,20 +142,6 @@ def write_merged(out: Path, base_path: Path, adapter_dir: Path) -> None:
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     merged.save_pretrained(out, safe_serialization=True)
-
-
-class BaseReference:
-    """The KL penalty's reference policy with LoRA: the engine's own model with its adapters switched off, which
-    is the initial policy (peft starts ``lora_B`` at zero). Answers ``sequence_logprobs`` as a reference
-    ``Engine`` does, with no second copy of the model. Collective, as the engine's."""
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-
-    def sequence_logprobs(self, sequences: list[Sequence], temperature: float = 1.0) -> list[list[float]]:
-        model: Any = self.engine.require_setup()[0]  # a peft model: the engine wraps it with LoRA on
-        with model.disable_adapter():
-            return self.engine.sequence_logprobs(sequences, temperature)
 
 
 # ---- the adapter over the trainer RPC (the weight sync's payload for /load_lora_adapter_from_tensors) ----------

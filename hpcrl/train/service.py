@@ -36,7 +36,8 @@ from hpcrl.rpc.messages import (
 from hpcrl.train.batch import Sequence
 from hpcrl.train.checkpoint import load_checkpoint, save_checkpoint
 from hpcrl.train.engine import Engine
-from hpcrl.train.lora import BaseReference, LoraAdapter, LoraAdapterRequest
+from hpcrl.train.lora import LoraAdapter, LoraAdapterRequest
+from hpcrl.train.lora_reference import BaseReference
 from hpcrl.train.loss import make_loss_fn
 from hpcrl.train.weight_push import (
     host_weight_group,

@@ -111,7 +111,7 @@ def _reference(cfg, engine, info):
     """The KL penalty's frozen initial policy (``algorithm.kl.coef > 0``, else None): a second engine, sharded like
     the policy; with LoRA the policy's own base, its adapters switched off (no second copy)."""
     from hpcrl.train.engine import Engine
-    from hpcrl.train.lora import BaseReference
+    from hpcrl.train.lora_reference import BaseReference
 
     if cfg.algorithm.kl.coef <= 0:
         return None

@@ -17,7 +17,8 @@ from hpcrl.train.batch import Sequence
 from hpcrl.train.checkpoint import STATE_FILE, checkpoint_lora_problem, load_checkpoint, save_checkpoint
 from hpcrl.train.dist import init_distributed
 from hpcrl.train.engine import Engine
-from hpcrl.train.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, BaseReference, LoraAdapterRequest, lora_targets_problem
+from hpcrl.train.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraAdapterRequest, lora_targets_problem
+from hpcrl.train.lora_reference import BaseReference
 from hpcrl.train.weight_push import push_over_group, push_to_disk, weight_specs
 
 LORA = LoRAConfig(rank=4, alpha=8.0)

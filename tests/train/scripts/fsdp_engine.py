@@ -158,7 +158,7 @@ def check_gather(engine: Engine, out: Path, info: DistInfo) -> None:
 
 def check_reference(engine: Engine, model: str, out: Path, info: DistInfo) -> None:
     """The trained LoRA engine's KL reference against the plain base model, and against the policy itself."""
-    from hpcrl.train.lora import BaseReference
+    from hpcrl.train.lora_reference import BaseReference
 
     batch = global_batch("varying", 0)[:4]
     _, _, manual = plain_logprobs(model, batch)
