@@ -430,11 +430,11 @@ def test_a_request_in_flight_when_its_episode_ends_is_a_410_and_is_not_recorded(
             log = proxy.open(EPISODE, EPISODE_SEED)
             ask = {"model": "m", "prompt": "3+4=", "max_tokens": 500, "extra_body": NO_EOS}  # a long generation
             request = asyncio.ensure_future(agent_client(proxy.base_url(log)).completions.create(**ask))
-            for _ in range(500):  # until the proxy serves it (a deadline: 5 s)
-                if log.tasks or request.done():
+            for _ in range(500):  # until the proxy generates for it (a deadline: 5 s)
+                if log.requests or request.done():  # its task alone may not have started yet: then nothing is in flight
                     break
                 await asyncio.sleep(0.01)
-            assert log.tasks, "the request never reached the proxy"
+            assert log.tasks and log.requests, "the request never reached the proxy's generation"
             proxy.close_episode(log)
             with pytest.raises(openai.APIStatusError) as ended:
                 await request
