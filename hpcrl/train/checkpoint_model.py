@@ -71,7 +71,7 @@ def write_checkpoint_model(step_dir: str | Path, out: str | Path) -> Path:
     from transformers import AutoModelForCausalLM
 
     from hpcrl.rundir import write_dir_atomic
-    from hpcrl.train.engine import _copy_non_weight_files as copy_non_weight_files
+    from hpcrl.train.engine import copy_non_weight_files
 
     step, target = Path(step_dir).expanduser().absolute(), Path(out)
     problem = checkpoint_problem(step)

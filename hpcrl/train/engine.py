@@ -418,7 +418,7 @@ class Engine:
         def fill(tmp: Path) -> None:
             # save_pretrained empties the dict it is given (transformers 5.x): hand it a copy
             model.save_pretrained(tmp, state_dict=dict(state), safe_serialization=True)
-            _copy_non_weight_files(self.model_path, tmp)
+            copy_non_weight_files(self.model_path, tmp)
             logger.info("exported step %d to %s", self.step, out)
 
         run_on_main(info, lambda: write_dir_atomic(out, fill), what=f"export to {out}")
@@ -429,10 +429,10 @@ class Engine:
 
         def fill(tmp: Path) -> None:
             lora.write_adapter(tmp, config, tensors)
-            _copy_non_weight_files(self.model_path, tmp)
+            copy_non_weight_files(self.model_path, tmp)
             if merged:
                 lora.write_merged(tmp / "merged", self.model_path, tmp)
-                _copy_non_weight_files(self.model_path, tmp / "merged")
+                copy_non_weight_files(self.model_path, tmp / "merged")
             logger.info("exported the adapter of step %d to %s%s", self.step, out, " (and merged/)" if merged else "")
 
         run_on_main(info, lambda: write_dir_atomic(out, fill), what=f"adapter export to {out}")
@@ -523,7 +523,7 @@ def _drop_tied_duplicates(model: nn.Module, state: dict[str, Tensor]) -> dict[st
     return state
 
 
-def _copy_non_weight_files(src: Path, dst: Path) -> None:
+def copy_non_weight_files(src: Path, dst: Path) -> None:
     """Copy tokenizer files, chat templates and custom code from the source model directory."""
     for path in src.iterdir():
         if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES) and path.name not in _WRITTEN_BY_SAVE:
