@@ -2,13 +2,14 @@
 
     python bench/algorithms.py [--seeds 0 1] [--target 0.9] [--max-steps 200] [--quick] [-- OVERRIDE ...]
 
-Each algorithm (``algorithm=ppo``, ``grpo``, ``reinforce_pp``) runs the default task once per seed, evaluated
-every 5 steps, until held-out greedy accuracy reaches ``--target`` (``eval.stop_at_accuracy``) or the step
-budget runs out. The measure is steps, not seconds: synchronous rollout with seeded sampling repeats closely
-whatever else runs on the machine. Reported per algorithm and seed: the step of the first evaluation at the
-target ("-" if none within the budget), the accuracy reached, the samples trained on to get there (steps x
-prompts x group size: the presets' group sizes differ), and for PPO the critic's explained variance, mean
-over the first and the last 10 steps. ``-- OVERRIDE ...`` goes to every job (e.g. ``workflow.name=multi_turn``).
+Each algorithm (``algorithm=ppo``, ``grpo``, ``reinforce_pp``; ``--algorithms`` also takes ``dr_grpo`` and ``dapo``)
+runs the default task once per seed, evaluated every 5 steps, until held-out greedy accuracy reaches ``--target``
+(``eval.stop_at_accuracy``) or the step budget runs out. The measure is steps, not seconds: synchronous rollout with
+seeded sampling repeats closely whatever else runs on the machine. Reported per algorithm and seed: the step of the
+first evaluation at the target ("-" if none within the budget), the accuracy reached, the samples trained on to get
+there (steps x prompts x group size: the presets' group sizes differ), and for PPO the critic's explained variance,
+mean over the first and the last 10 steps. ``-- OVERRIDE ...`` goes to every job (e.g.
+``workflow.name=multi_turn``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from pathlib import Path
 import yaml
 from _jobs import QUICK, JobResult, run_job, table
 
-ALGORITHMS = ("ppo", "grpo", "reinforce_pp")
+ALGORITHMS = ("ppo", "grpo", "reinforce_pp")  # the default; --algorithms takes any preset
+PRESETS = ("ppo", "grpo", "reinforce_pp", "dr_grpo", "dapo")
 
 
 def reached(job: JobResult, target: float) -> int | None:
@@ -49,7 +51,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--max-steps", type=int, default=200)
-    parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
+    parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=PRESETS)
     parser.add_argument("--quick", action="store_true", help="a smoke test: 2 steps of each, small batches")
     parser.add_argument("overrides", nargs="*", help="overrides for every job, after --")
     args = parser.parse_args()

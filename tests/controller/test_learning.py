@@ -4,6 +4,11 @@ a step budget measured here (README's algorithm section gives the figures), not 
 The run stops at the first eval (every 5 steps) that reaches 0.8 (``eval.stop_at_accuracy``). With the default
 ``run.seed`` and synchronous rollout the samples are seeded, so a run repeats closely; the budgets are about 1.5x
 the most steps measured over run.seed 0 and 1.
+
+``dr_grpo`` is not run here: it is ``grpo`` with the group mean alone as baseline and a constant normaliser, which
+tests/train/test_algorithms.py checks exactly (``group_center``, ``aggregate``); ``bench/algorithms.py --target 0.8
+--algorithms dr_grpo`` runs it to the target (README: 60 and 55 steps on run.seed 0 and 1). The suite's time is
+held to 45 minutes on two cores.
 """
 
 import re
@@ -15,7 +20,6 @@ from tests.controller.test_job import metrics_of, processes_of, run_job, summary
 # preset -> (overrides, step budget); measured steps to 0.8 (run.seed 0, 1): see README
 PRESETS = {
     "grpo": (["algorithm=grpo"], 110),
-    "dr_grpo": (["algorithm=dr_grpo"], 100),
     "dapo": (["algorithm=dapo", "checkpoint.every_steps=20"], 90),
     "reinforce_pp": (["algorithm=reinforce_pp"], 150),
     "decoupled-ppo-staleness-2": (["algorithm.behavior_weight_cap=5", "rollout.max_staleness=2"], 120),
@@ -88,16 +92,17 @@ def test_ppo_with_a_critic_reaches_09_and_its_critic_learns(tmp_path):
         assert all(key in r for r in rows), key
 
 
-# measured 2026-12-03: 0.935 at step 60 by disk, and by distributed sync (README's LoRA paragraph); about 2x
-LORA_BUDGET = 120
+# measured 2026-12-03: 0.935 at step 60 by disk, and by distributed sync (README's LoRA paragraph), 0.815 at step 45;
+# the budget is 2x the steps to 0.8
+LORA_BUDGET = 90
 LORA = ["train.lora.rank=8", "train.lr=1e-3", "model.tiny.hidden_size=256", "model.tiny.intermediate_size=1024"]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # 115 s alone; the whole suite beside it made its job take 506 s (60 steps)
-def test_lora_by_distributed_sync_reaches_09_and_its_final_adapter_answers_as_measured(tmp_path):
+@pytest.mark.timeout(900)  # 115 s alone to 0.9; the whole suite beside it made its job take 506 s (60 steps)
+def test_lora_by_distributed_sync_reaches_08_and_its_final_adapter_answers_as_measured(tmp_path):
     """``train.lora.rank=8`` (docs/lora.md's settings for the tiny task) with the adapter sent in the body each step:
-    held-out accuracy from below 0.3 to 0.9; the servers' weight version follows the steps (set after each
+    held-out accuracy from below 0.3 to 0.8; the servers' weight version follows the steps (set after each
     adapter's load); ``final/`` is a PEFT adapter whose greedy answers on the base score what the last evaluation
     measured."""
     import torch
@@ -107,10 +112,10 @@ def test_lora_by_distributed_sync_reaches_09_and_its_final_adapter_answers_as_me
     from hpcrl.data import make_mod10
     from tests.controller.test_final_model import greedy_accuracy_of
 
-    overrides = [f"run.max_steps={LORA_BUDGET}", "eval.every_steps=5", "eval.stop_at_accuracy=0.9"]
+    overrides = [f"run.max_steps={LORA_BUDGET}", "eval.every_steps=5", "eval.stop_at_accuracy=0.8"]
     result = run_job(tmp_path, "run.trial=lora", *LORA, "train.weight_sync=distributed", *overrides, timeout=900)
     summary = summary_of(result)
-    assert summary["eval_accuracy_before"] < 0.3 <= 0.9 <= summary["eval_accuracy_after"], summary
+    assert summary["eval_accuracy_before"] < 0.3 <= 0.8 <= summary["eval_accuracy_after"], summary
     assert "train.weight_sync=distributed with train.lora: the adapter goes to the servers in the body" in result.stderr
     run_dir = tmp_path / "default" / "lora"
     rows = metrics_of(run_dir)
