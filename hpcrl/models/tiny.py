@@ -46,23 +46,45 @@ def make_tiny_model(
     max_positions: int = MAX_POSITIONS,
     seed: int = 0,
     characters: str = CHARACTERS,
+    cache: bool = True,
 ) -> Path:
     """Write a seeded tiny Qwen2 model and its tokenizer to ``out_dir``; return the directory.
 
     ``characters`` is the tokenizer's alphabet: a task's own characters make a small vocabulary, so an
-    untrained model already guesses a task's one-character answers at a useful rate.
+    untrained model already guesses a task's one-character answers at a useful rate. With ``cache`` the files
+    are copied from the per-user cache of ``tiny_cache.py`` (built there first if missing): the same bytes as
+    building them here, without importing transformers' model code.
     """
+    sizes = {"hidden_size": hidden_size, "num_layers": num_layers, "num_heads": num_heads}
+    arguments = {**sizes, "intermediate_size": intermediate_size, "max_positions": max_positions, "seed": seed}
+    arguments["characters"] = characters
+
+    def build(out: Path) -> Path:
+        return _build_tiny_model(out, **arguments)
+
+    out = Path(out_dir)
+    if not cache:
+        return build(out)
+    from hpcrl.models import tiny_cache, tokenizer
+
+    key = tiny_cache.entry_key(arguments, [Path(__file__), Path(tokenizer.__file__)])
+    return tiny_cache.copy_or_build(out, key, build)
+
+
+def _build_tiny_model(out: Path, hidden_size: int, num_layers: int, num_heads: int, intermediate_size: int,
+                      max_positions: int, seed: int, characters: str) -> Path:  # fmt: skip
+    """Build the model of ``make_tiny_model`` from its config and save it, with its tokenizer, to ``out``."""
     import torch
     from transformers import AutoModelForCausalLM
 
     tokenizer = make_tokenizer(characters)
     sizes = (hidden_size, num_layers, num_heads, intermediate_size, max_positions)
     config = qwen2_config(tokenizer, *sizes)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was, as a cached copy leaves it
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
