@@ -282,7 +282,9 @@ class LeaseKeeper:
             entries = [e for role in self.roles for e in self.registry.entries(role)]
             if entries:
                 await self._renew(entries)
-            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+            # until the next renewal, or at once when stop() is called: a controller that is done does not wait
+            # out the interval (lease_s / 6, 5 s by default) before the scheduler stops its workers
+            await asyncio.to_thread(self._stop.wait, max(0.0, self.interval_s - (time.monotonic() - started)))
 
     async def _renew(self, entries: list[Entry]) -> None:
         timeout = aiohttp.ClientTimeout(total=min(10.0, self.lease_s / 3))

@@ -180,3 +180,19 @@ def test_workers_end_once_their_keeper_stops(tmp_path):
         assert lease.expiry.done.wait(3)
         assert lease.expiry.at - stopped < 1.5
         lease.stop()
+
+
+def test_the_keeper_stops_at_once_between_renewals(tmp_path):
+    """stop() wakes the keeper from its wait for the next renewal (lease_s / 6, here 20 s) instead of waiting it out."""
+    registry = Registry(tmp_path)
+    lease = worker(registry, "trainer", 0, "ctl", 120.0)
+    keeper = LeaseKeeper(registry, ["trainer"], "ctl", TOKEN, 120.0, Lost()).start()
+    deadline = time.monotonic() + 10
+    while lease.renewals == 0 and time.monotonic() < deadline:  # the first renewal done: now it waits 20 s
+        time.sleep(0.02)
+    assert lease.renewals == 1
+    asked = time.monotonic()
+    keeper.stop()
+    assert not keeper._thread.is_alive()
+    assert time.monotonic() - asked < keeper.interval_s / 4
+    lease.stop()
