@@ -34,10 +34,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
+    from hpcrl.gc_freeze import freeze_startup_heap, pause_until_frozen
+
+    pause_until_frozen()  # start-up allocates what lives until exit: no collection walks it (gc_freeze.py)
     from hpcrl.logs import setup_logging
 
     setup_logging(args.role, rank)
-    from hpcrl.gc_freeze import freeze_startup_heap
     from hpcrl.launch.lease import Lease
 
     lease = Lease.from_env()  # from the start: setting up counts against the lease's grace

@@ -8,6 +8,7 @@ import os
 
 from hpcrl.cores import usable_cores
 from hpcrl.errors import UserError, exit_on_user_error
+from hpcrl.gc_freeze import pause_until_frozen
 from hpcrl.inference.openai.chat import TOOL_PARSERS, resolve_template
 from hpcrl.logs import setup_logging
 
@@ -103,6 +104,7 @@ def lora_settings_or_exit(p: argparse.ArgumentParser, args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> None:
+    pause_until_frozen()  # start-up allocates what lives until exit: no collection walks it (gc_freeze.py)
     args = parse_args(argv)
     setup_logging("server", args.rank)
     try:
