@@ -297,7 +297,7 @@ class InferenceConfig:
     max_running_requests: int = 256  # the most sequences one server decodes together (one batch)
     batch_wait_ms: float = 2.0  # cpu server: how long a new request waits for others to share its batch
     extra_args: list[str] = field(default_factory=list)  # extra `sglang.launch_server` arguments
-    health_poll_s: float = 1.0  # seconds between health checks while a server starts
+    health_poll_s: float = 0.25  # seconds between health checks while a server starts
     weight_update_timeout_s: float = 1800.0  # deadline of one weight-update call to a server (a disk load: minutes)
     context_overflow: str = "drop"  # prompt + max_new_tokens over the context: drop its group | truncate new tokens
     # drop and restart need train.weight_sync=disk; drop needs cluster=local; restart on Slurm starts the
