@@ -9,6 +9,12 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 CONF_DIR = REPO / "hpcrl" / "conf"
 
+# The suite runs three jobs at a time on two cores (pyproject's -n 3): a trainer rank's OpenMP threads, spinning at
+# each barrier while another job holds the core they wait for, burned two thirds of the CPU of two concurrent
+# REINFORCE++ jobs (80 CPU-s each against 26 with passive waits; 175 s against 61 s of wall time). Every process
+# the tests start inherits this; a value set outside the suite is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 def run_main(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run ``python -m hpcrl.main ARGS`` as a user would, capturing its output."""
