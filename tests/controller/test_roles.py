@@ -40,6 +40,17 @@ def test_a_local_run_shares_this_machines_cores_among_its_training_ranks(monkeyp
     assert threads("+cluster.env.OMP_NUM_THREADS=3")["trainer"] == "3"  # the user's setting wins
 
 
+def test_a_local_runs_training_ranks_wait_passively_at_openmp_barriers_unless_told_otherwise(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # the suite sets it for every process it starts
+    policy = lambda *o: {s.role: s.env.get("OMP_WAIT_POLICY") for s in role_specs(load(*o))}  # noqa: E731
+    assert policy("algorithm=ppo") == {"server": None, "trainer": "PASSIVE", "critic": "PASSIVE"}
+    assert policy("+cluster.env.OMP_WAIT_POLICY=ACTIVE")["trainer"] == "ACTIVE"  # the user's setting wins
+    slurm = ("cluster=slurm", "allocation=1node_8gpu")  # a Slurm rank has its cores to itself
+    assert policy(*slurm) == {"server": None, "trainer": None}
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # set where the controller runs: the ranks inherit it
+    assert policy()["trainer"] is None
+
+
 def test_on_slurm_a_rank_runs_as_many_threads_as_cpus_its_role_asks_for(monkeypatch):
     monkeypatch.setattr(roles, "usable_cores", lambda: 64)  # the controller's node says nothing about the workers'
     cfg = load("cluster=slurm", "algorithm=ppo", "allocation=1node_8gpu", "cluster.roles.trainer.cpus_per_worker=6")
