@@ -9,7 +9,8 @@
              trainers and critic shut down over RPC;
              leaving the scheduler's block stops every process tree by PID
 
-Healthy shutdown: the loop returns, workers are told to stop, then the scheduler ends what is left.
+Healthy shutdown: the loop returns, workers are told to stop (trainer and critic ranks get SHUTDOWN_WAIT_S to
+exit on their own), then the scheduler ends what is left.
 Crash shutdown (an exception, Ctrl-C, SIGTERM, a dead worker): the exception unwinds through the
 scheduler's context manager, which ends every worker's process tree; the error names the worker.
 """
@@ -121,6 +122,11 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
         addresses = [[e.address for e in entries] for entries in roles]
         rows = (train_rows, eval_rows)
         summary = asyncio.run(_drive(cfg, run_dir, workers, addresses, token, rows, preempt))
+        # the ranks were told to shut down: torchrun SIGTERMed while they exit would log a traceback, so the
+        # scheduler stops only what is still running after this
+        for group in (trainers, critics):
+            if group is not None:
+                group.wait_exited(SHUTDOWN_WAIT_S)
     plot(run_dir.path / "metrics.jsonl", run_dir.path / "metrics.png")
     return {**summary, "run_dir": str(run_dir.path)}
 
@@ -214,6 +220,7 @@ async def _critics(addresses: list[str], token: str) -> AsyncIterator[Any]:
         yield critics
 
 
+SHUTDOWN_WAIT_S = 10.0  # how long trainer and critic ranks get to exit on their own once shut down over RPC
 FINAL_DIR = "final"  # <run dir>/final/: the trained model at the end of the run
 FINAL_CRITIC_DIR = "final_critic"  # <run dir>/final_critic/: the trained critic (a value model directory)
 

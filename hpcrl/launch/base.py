@@ -150,6 +150,11 @@ class WorkerGroup(ABC):
         against the setup timeout. Raises when it has waited too long. Local workers never wait."""
         return False
 
+    def wait_exited(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for every worker, told to shut down, to exit on its own; whether all did.
+        Ones left are ended by ``stop`` as before. A group that cannot see its processes (Slurm) waits for none."""
+        return False
+
     @abstractmethod
     def stop(self) -> None:
         """End every worker's process tree (SIGTERM, then SIGKILL after a grace period). Idempotent."""

@@ -177,6 +177,9 @@ class LocalScheduler(Scheduler):
         return self._children.spawn(f"{spec.role} torchrun", cmd, log_file, env={**env, **_gpu_env(spec, gpus)})
 
 
+_EXIT_POLL_S = 0.05  # how often wait_exited looks at the children
+
+
 class LocalWorkerGroup(WorkerGroup):
     """One role's children: W workers, or one torchrun whose W ranks are its children."""
 
@@ -231,6 +234,15 @@ class LocalWorkerGroup(WorkerGroup):
         self.dropped.discard(rank)
         self.lost.pop(rank, None)
         log.warning("%s worker %d restarted as pid %d", self.role, rank, self.children[rank].pid)
+
+    def wait_exited(self, timeout_s: float) -> bool:
+        """Each child (a worker, or torchrun once its ranks are done) polled until it has exited."""
+        deadline = time.monotonic() + timeout_s
+        while any(child.alive() for child in self.children):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_EXIT_POLL_S)
+        return True
 
     def stop(self) -> None:
         self._track_ranks()

@@ -342,3 +342,18 @@ def test_torchrun_ranks_cannot_restart(run_dir):
         group = scheduler.start(spec("ranks", 1, torchrun=True))
         with pytest.raises(ValueError, match="not torchrun ranks"):
             group.restart(0)
+
+
+@pytest.mark.parametrize("torchrun", [False, True])
+def test_wait_exited_sees_workers_that_end_on_their_own_and_leaves_running_ones_to_stop(run_dir, torchrun):
+    with LocalScheduler(run_dir, PortSlots({"done": 2, "busy": 1}), grace_s=GRACE_S) as scheduler:
+        done = scheduler.start(spec("done", 2, torchrun=torchrun, env={"RANK_WORKER_EXIT": "0"}))
+        busy = scheduler.start(spec("busy", 1, env={"RANK_WORKER_NEVER_READY": "1"}))
+        assert done.wait_exited(60)
+        assert [child.poll() for child in done.children] == [0] * len(done.children)  # ended by themselves
+        started = time.monotonic()
+        assert not busy.wait_exited(0.3)
+        assert 0.3 <= time.monotonic() - started < 5 and busy.children[0].alive()
+    assert not busy.children[0].alive()
+    if torchrun:  # not signalled: its log ends without the traceback of a SIGTERM
+        assert "SignalException" not in (run_dir.logs / "done-launcher.log").read_text()
