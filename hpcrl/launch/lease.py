@@ -39,6 +39,7 @@ Every scheduler hands a worker its lease in the environment (``HPCRL_CONTROLLER_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -256,6 +257,7 @@ class LeaseKeeper:
         self.lost: set[tuple[str, int, int, str]] = set()  # reported to on_lost
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._wake: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None  # stop() wakes the wait with it
 
     def start(self) -> LeaseKeeper:
         self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
@@ -264,6 +266,10 @@ class LeaseKeeper:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._wake is not None:  # else the thread has not started waiting: it sees _stop before it does
+            loop, wake = self._wake
+            with contextlib.suppress(RuntimeError):  # its loop is closed: the thread is done
+                loop.call_soon_threadsafe(wake.set)
         if self._thread is not None:
             self._thread.join(self.interval_s + 15)
 
@@ -277,6 +283,8 @@ class LeaseKeeper:
         asyncio.run(self._renew_until_stopped())
 
     async def _renew_until_stopped(self) -> None:
+        wake = asyncio.Event()
+        self._wake = (asyncio.get_running_loop(), wake)
         while not self._stop.is_set():
             started = time.monotonic()
             entries = [e for role in self.roles for e in self.registry.entries(role)]
@@ -284,7 +292,8 @@ class LeaseKeeper:
                 await self._renew(entries)
             # until the next renewal, or at once when stop() is called: a controller that is done does not wait
             # out the interval (lease_s / 6, 5 s by default) before the scheduler stops its workers
-            await asyncio.to_thread(self._stop.wait, max(0.0, self.interval_s - (time.monotonic() - started)))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), max(0.0, self.interval_s - (time.monotonic() - started)))
 
     async def _renew(self, entries: list[Entry]) -> None:
         timeout = aiohttp.ClientTimeout(total=min(10.0, self.lease_s / 3))
