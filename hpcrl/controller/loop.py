@@ -34,6 +34,7 @@ from hpcrl.config.schema import AlgorithmConfig, Config
 from hpcrl.controller.batch import apply_gae, rollout_stats, shard, to_sequences
 from hpcrl.controller.evaluate import greedy_accuracy
 from hpcrl.controller.metrics import MetricsLog, sample_rows
+from hpcrl.controller.mismatch import batch_mismatch
 from hpcrl.controller.preempt import Preempted, PreemptionGuard
 from hpcrl.controller.recovery import Checkpoints, ControllerState, resume_candidates, rng_states, set_rng_states
 from hpcrl.controller.rows import TrainingRows
@@ -287,7 +288,7 @@ class Loop:
         for the whole batch, so every part's ratio is against the same policy) and the critic's values, from which
         GAE gives every token's advantage and return (``apply_gae``; its metrics go into ``metrics``)."""
         trainers, critics = self.w.trainers, self.w.critics
-        await asyncio.gather(self._proximal(sequences), self._gae(sequences, rewards, metrics))
+        await asyncio.gather(self._proximal(sequences, metrics), self._gae(sequences, rewards, metrics))
         results = []
         seed = derive_seed(self.cfg.run.seed, "minibatches", step)
         chunks = _minibatches(sequences, group_sizes, self.cfg.algorithm, seed)
@@ -303,8 +304,9 @@ class Loop:
             results.append({**actor, **{f"critic_{k}": critic[k] for k in CRITIC_METRICS if k in critic}})
         return results
 
-    async def _proximal(self, sequences: list[SequenceData]) -> None:
-        """Decoupled PPO: every sequence's ``prox_logprobs``, the policy's before this step's first update."""
+    async def _proximal(self, sequences: list[SequenceData], metrics: dict[str, Any]) -> None:
+        """Decoupled PPO: every sequence's ``prox_logprobs``, the policy's before this step's first update, and
+        their gap to the behaviour logprobs (``mismatch_*``, ``controller/mismatch.py``)."""
         if self.cfg.algorithm.behavior_weight_cap <= 0:
             return
         trainers = self.w.trainers
@@ -312,6 +314,7 @@ class Loop:
         for part, logprobs in zip(shards, await trainers.compute_logprobs(shards), strict=True):
             for seq, lp in zip(part, logprobs, strict=True):
                 seq.prox_logprobs = lp
+        metrics.update(batch_mismatch(sequences))
 
     async def _gae(self, sequences: list[SequenceData], rewards: list[float], metrics: dict[str, Any]) -> None:
         """With a critic: its values of the batch, then GAE's per-token advantages, returns and old values."""

@@ -51,6 +51,9 @@ def test_each_algorithm_takes_held_out_accuracy_from_below_03_to_08(tmp_path, pr
     if "rollout.max_staleness=2" in overrides:
         assert max(r["staleness_max"] for r in rows) == 2, "the rollout ran two versions ahead"
         assert all("behavior_weight_mean" in r for r in rows)
+        # the gap of the proximal policy to the servers' logprobs: stale samples make it grow
+        assert all(r["mismatch_abs_max"] >= r["mismatch_abs_mean"] >= 0 and r["mismatch_kl_k3"] >= 0 for r in rows)
+        assert max(r["mismatch_abs_mean"] for r in rows if r["staleness_max"] == 2) > 0
 
 
 def check_run_outputs(result, summary, run_dir, rows) -> None:
