@@ -62,10 +62,15 @@ class RunDir:
     def resumable(self) -> bool:
         """Whether a complete checkpoint is here (a step directory with its controller state: hpcrl/controller/
         recovery.py), which ``recover.mode=auto`` resumes from."""
+        return self.newest_resumable_step() is not None
+
+    def newest_resumable_step(self) -> int | None:
+        """The step of the newest complete checkpoint here, the one ``recover.mode=auto`` tries first; None if none."""
         if not self.checkpoints.is_dir():
-            return False
-        steps = (p for p in self.checkpoints.iterdir() if _STEP_DIR.fullmatch(p.name))
-        return any((p / "controller.json").is_file() for p in steps)
+            return None
+        steps = [p for p in self.checkpoints.iterdir() if _STEP_DIR.fullmatch(p.name)]
+        complete = [int(p.name.removeprefix("step_")) for p in steps if (p / "controller.json").is_file()]
+        return max(complete, default=None)
 
     @property
     def config_file(self) -> Path:

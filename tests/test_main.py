@@ -132,6 +132,20 @@ def test_a_resume_lists_the_settings_it_changes_and_keeps_the_runs_config(main_c
     assert sorted(p.name for p in run_dir.glob("config*")) == ["config.yaml"]
 
 
+def test_a_resume_with_run_max_steps_below_its_checkpoint_is_refused_before_anything_starts(main_cli, tmp_path):
+    run_dir = resumable_run(main_cli, tmp_path, "lowered")  # its checkpoint: step 2
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    result = main_cli("run.trial=lowered", "recover.mode=auto", "run.max_steps=1")
+    assert user_error(result) == [
+        f"hpcrl: config error: run.max_steps=1 is invalid: expected at least 2, the step of the newest checkpoint in "
+        f"{run_dir / 'checkpoints'} that recover.mode=auto resumes from: below it nothing is left to train (to "
+        "evaluate that checkpoint: run.max_steps=0 model.path=<the checkpoint> in another run.trial)"
+    ]
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before, "nothing started, nothing written"
+    # at the checkpoint's own step the run is complete (a requeued job exports again): not refused
+    assert main_cli("run.trial=lowered", "recover.mode=auto", "run.max_steps=2", "run.dry_run=true").returncode == 0
+
+
 def test_the_run_directory_config_loads_back_without_hydra(main_cli, tmp_path):
     from hpcrl.config.load import load_run_config
 

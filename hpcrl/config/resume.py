@@ -68,7 +68,8 @@ def check_start(cfg: Config, run_dir: RunDir) -> Resume | None:
     """How ``cfg`` starts in ``run_dir``: None for a new run (step 1), else the ``Resume`` from its checkpoints.
 
     ConfigError when an earlier run left steps there and ``recover.mode=off`` (starting afresh would mix two runs'
-    metrics and prune the new run's checkpoints), or when a resume changes a ``FIXED`` setting."""
+    metrics and prune the new run's checkpoints), when ``run.max_steps`` is below the newest checkpoint's step, or
+    when a resume changes a ``FIXED`` setting."""
     if cfg.recover.mode == "off":
         earlier = run_dir.earlier_run()
         if earlier:
@@ -78,8 +79,17 @@ def check_start(cfg: Config, run_dir: RunDir) -> Resume | None:
                 f"auto to resume the run in {run_dir.path} ({earlier}), or a new run.trial to start another one",
             )
         return None
-    if not run_dir.resumable():  # nothing to resume from: the run starts at step 1, with any settings
+    step = run_dir.newest_resumable_step()
+    if step is None:  # nothing to resume from: the run starts at step 1, with any settings
         return None
+    if 0 < cfg.run.max_steps < step:  # at step itself the run is complete: a requeued job only exports again
+        raise ConfigError(
+            "run.max_steps",
+            cfg.run.max_steps,
+            f"at least {step}, the step of the newest checkpoint in {run_dir.checkpoints} that recover.mode=auto "
+            f"resumes from: below it nothing is left to train (to evaluate that checkpoint: run.max_steps=0 "
+            f"model.path=<the checkpoint> in another run.trial)",
+        )
     from hpcrl.config.load import load_run_config
 
     saved = load_run_config(run_dir.config_file)

@@ -199,13 +199,10 @@ class Loop:
         self.counters.update(state.counters)
         set_rng_states(state.rng)
         self.accuracy_before, self.accuracy = state.eval_accuracy_before, state.eval_accuracy_last
-        log.info(
-            "resumed at step %d (weights version %d); training steps %d..%d",
-            state.step,
-            state.weight_version,
-            state.step + 1,
-            self.cfg.run.max_steps,
-        )
+        todo = f"training steps {state.step + 1}..{self.cfg.run.max_steps}"
+        if state.step >= self.cfg.run.max_steps:  # a requeued run whose last step was checkpointed
+            todo = f"nothing left to train (run.max_steps={self.cfg.run.max_steps})"
+        log.info("resumed at step %d (weights version %d); %s", state.step, state.weight_version, todo)
         return state
 
     async def _load_newest_checkpoint(self) -> ControllerState | None:
