@@ -55,9 +55,15 @@ def make_tiny_model(
     are copied from the per-user cache of ``tiny_cache.py`` (built there first if missing): the same bytes as
     building them here, without importing transformers' model code.
     """
-    sizes = {"hidden_size": hidden_size, "num_layers": num_layers, "num_heads": num_heads}
-    arguments = {**sizes, "intermediate_size": intermediate_size, "max_positions": max_positions, "seed": seed}
-    arguments["characters"] = characters
+    arguments = dict(
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        intermediate_size=intermediate_size,
+        max_positions=max_positions,
+        seed=seed,
+        characters=characters,
+    )
 
     def build(out: Path) -> Path:
         return _build_tiny_model(out, **arguments)
