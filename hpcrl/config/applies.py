@@ -113,6 +113,11 @@ RULES: tuple[Rule, ...] = (
     Rule(_keys("algorithm", "gamma lam value_clip"), equals("algorithm.advantage", "gae"), "algorithm=ppo"),
     Rule(("algorithm.std_eps",), equals("algorithm.advantage", "group_norm", "batch_norm")),
     Rule(_keys("algorithm.kl", "place estimator"), positive("algorithm.kl.coef")),  # no KL term at 0
+    Rule(("algorithm.off_policy.cap",), equals("algorithm.off_policy.kind", "tis")),
+    Rule(
+        _keys("algorithm.off_policy", "low high"),
+        equals("algorithm.off_policy.kind", "mis_token", "mis_sequence", "icepop"),
+    ),
     Rule(
         ("algorithm.shuffle_minibatches",),
         When(("algorithm.updates_per_batch",), "algorithm.updates_per_batch > 1", lambda v: v > 1),
@@ -195,8 +200,10 @@ ALWAYS: dict[str, tuple[str, ...]] = {
     "algorithm": (
         *("name", "advantage", "loss_agg", "group_size", "clip_low", "clip_high"),
         *("kl_coef", "kl_estimator", "drop_equal_reward_groups", "behavior_weight_cap", "updates_per_batch"),
+        "behaviour_logprobs",
     ),  # kl_coef, kl_estimator: renamed, refused when set (checks.check_kl)
     "algorithm.kl": ("coef",),
+    "algorithm.off_policy": ("kind",),
     "model": ("source", "dtype"),  # dtype: the trainers may compute in float32 (notes)
     "dataset": ("name", "chat_template"),
     "train": ("lr", "weight_decay", "grad_clip", "warmup_steps", "lr_schedule", "micro_batch_tokens", "weight_sync"),

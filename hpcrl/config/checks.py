@@ -251,11 +251,40 @@ def check_algorithm(a: AlgorithmConfig) -> None:
     require(a.clip_high >= 0, "algorithm.clip_high", a.clip_high, "a number >= 0")
     cap = a.behavior_weight_cap
     require(cap == 0 or cap >= 1, "algorithm.behavior_weight_cap", cap, "0 (off) or a cap >= 1")
+    check_off_policy(a)
     require(a.std_eps > 0, "algorithm.std_eps", a.std_eps, "a number > 0")
     require(a.updates_per_batch >= 1, "algorithm.updates_per_batch", a.updates_per_batch, "an integer >= 1")
     require(0 <= a.gamma <= 1, "algorithm.gamma", a.gamma, "a discount in [0, 1]")
     require(0 <= a.lam <= 1, "algorithm.lam", a.lam, "GAE's lambda in [0, 1]")
     require(a.value_clip >= 0, "algorithm.value_clip", a.value_clip, "a number >= 0 (0 = no value clipping)")
+
+
+OFF_POLICY_KINDS = ("none", "tis", "mis_token", "mis_sequence", "icepop")
+
+
+def check_off_policy(a: AlgorithmConfig) -> None:
+    """The correction, its band or cap, and where the behaviour logprobs come from (off_policy.py says why)."""
+    o = a.off_policy
+    one_of("algorithm.off_policy.kind", o.kind, OFF_POLICY_KINDS)
+    one_of("algorithm.behaviour_logprobs", a.behaviour_logprobs, ("server", "recompute"))
+    require(o.cap > 0, "algorithm.off_policy.cap", o.cap, "a number > 0 (the largest importance weight)")
+    # a band without ratio 1 would drop the tokens on which both policies agree
+    require(0 <= o.low <= 1, "algorithm.off_policy.low", o.low, "a number in [0, 1]")
+    require(o.high >= 1 and o.high > o.low, "algorithm.off_policy.high", o.high, "a number >= 1 and above low")
+    if a.behaviour_logprobs == "recompute":
+        # the trainer's logprobs then stand for the behaviour policy's: every ratio a correction or decoupled PPO
+        # weighs would be exactly 1
+        for key, value, off in (
+            ("algorithm.off_policy.kind", o.kind, "none"),
+            ("algorithm.behavior_weight_cap", a.behavior_weight_cap, 0),
+        ):
+            require(
+                value == off,
+                key,
+                value,
+                f"{off!r} with algorithm.behaviour_logprobs=recompute, which makes "
+                "the behaviour logprobs the trainer's own: every importance ratio would be 1",
+            )
 
 
 def check_critic(cfg: Config, allocation: AllocationConfig) -> None:

@@ -135,6 +135,15 @@ class KLConfig:
 
 
 @dataclass
+class OffPolicyConfig:
+    # the correction of the gap between the servers' (behaviour) and the trainer's logprobs (off_policy.py)
+    kind: str = "none"  # none | tis | mis_token | mis_sequence | icepop; the ratio is then against the trainer's
+    cap: float = 2.0  # tis: the importance weight is truncated at this cap
+    low: float = 0.5  # mis_token, mis_sequence, icepop: a ratio below this is masked out
+    high: float = 2.0  # mis_token, mis_sequence, icepop: a ratio above this is masked out
+
+
+@dataclass
 class AlgorithmConfig:
     name: str = "grpo"  # label in logs and metrics; behaviour comes from the fields below
     advantage: str = "group_norm"  # group_norm: (r-mean)/std in group | group_center: r-mean | batch_norm | gae
@@ -147,6 +156,8 @@ class AlgorithmConfig:
     kl_estimator: str | None = None  # renamed algorithm.kl.estimator (and algorithm.kl.place); an error if set
     drop_equal_reward_groups: bool = False  # drop groups whose rewards are all equal (DAPO dynamic sampling)
     behavior_weight_cap: float = 0.0  # decoupled objective: cap on the behaviour importance weight; 0 = off
+    off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)  # rollout/trainer mismatch correction
+    behaviour_logprobs: str = "server"  # server: as sampled | recompute: the trainer's, before the step's update
     std_eps: float = 1e-6  # added to the group's reward std before dividing
     updates_per_batch: int = 2  # the batch is split in this many disjoint minibatches, one optimizer update each
     shuffle_minibatches: bool = False  # minibatches of samples drawn at random (seeded), not of whole groups in order

@@ -34,7 +34,7 @@ from hpcrl.config.schema import AlgorithmConfig, Config
 from hpcrl.controller.batch import apply_gae, rollout_stats, shard, to_sequences
 from hpcrl.controller.evaluate import greedy_accuracy
 from hpcrl.controller.metrics import MetricsLog, sample_rows
-from hpcrl.controller.mismatch import batch_mismatch
+from hpcrl.controller.mismatch import batch_mismatch, first_update_mismatch, mask_rejected
 from hpcrl.controller.preempt import Preempted, PreemptionGuard
 from hpcrl.controller.recovery import Checkpoints, ControllerState, resume_candidates, rng_states, set_rng_states
 from hpcrl.controller.rows import TrainingRows
@@ -46,6 +46,7 @@ from hpcrl.rollout.workflows import close_workflow, make_workflow
 from hpcrl.rollout.workflows.base import Group, derive_seed
 from hpcrl.rollout.workflows.plugin import is_plugin
 from hpcrl.rpc.messages import SequenceData
+from hpcrl.train.algorithms import needs_proximal
 from hpcrl.train.checkpoint import check_checkpoint
 
 if TYPE_CHECKING:  # types only: importing these here would add the reward pool and RPC to every loop import
@@ -286,11 +287,21 @@ class Loop:
         GAE gives every token's advantage and return (``apply_gae``; its metrics go into ``metrics``)."""
         trainers, critics = self.w.trainers, self.w.critics
         await asyncio.gather(self._proximal(sequences, metrics), self._gae(sequences, rewards, metrics))
+        rejected = mask_rejected(sequences, self.cfg.algorithm.off_policy)  # after GAE, which reads the masks
+        metrics.update(rejected)
+        rejecting = bool(rejected)
         results = []
         seed = derive_seed(self.cfg.run.seed, "minibatches", step)
         chunks = _minibatches(sequences, group_sizes, self.cfg.algorithm, seed)
         for i, chunk in enumerate(chunks):
             export = export_to if i == len(chunks) - 1 else ""
+            if rejecting and not any(any(s.loss_mask) for s in chunk):
+                # masked importance sampling rejected every token of this part: no update (an optimizer step on
+                # no data would still move the weights by its momentum and decay)
+                self.counters["updates_skipped"] = self.counters.get("updates_skipped", 0) + 1
+                if export:
+                    await trainers.export_for_servers(export)
+                continue
             if critics is None:
                 results.append(await trainers.train_step(shard(chunk, trainers.world_size), export))
                 continue
@@ -299,19 +310,28 @@ class Loop:
                 critics.train_step(shard(chunk, critics.world_size)),
             )
             results.append({**actor, **{f"critic_{k}": critic[k] for k in CRITIC_METRICS if k in critic}})
+        first_update_mismatch(results, measured=any(k.startswith("mismatch_") for k in metrics))
         return results
 
     async def _proximal(self, sequences: list[SequenceData], metrics: dict[str, Any]) -> None:
-        """Decoupled PPO: every sequence's ``prox_logprobs``, the policy's before this step's first update, and
-        their gap to the behaviour logprobs (``mismatch_*``, ``controller/mismatch.py``)."""
-        if self.cfg.algorithm.behavior_weight_cap <= 0:
+        """The trainers' logprobs of the batch before this step's first update, where the loss needs them: decoupled
+        PPO and the off-policy corrections as every sequence's ``prox_logprobs``, ``algorithm.behaviour_logprobs=
+        recompute`` as its ``old_logprobs`` (the servers' then only measure the gap); and their gap to the servers'
+        behaviour logprobs (``mismatch_*``, ``controller/mismatch.py``)."""
+        algorithm = self.cfg.algorithm
+        recompute = algorithm.behaviour_logprobs == "recompute"
+        if not (needs_proximal(algorithm) or recompute):
             return
         trainers = self.w.trainers
         shards = shard(sequences, trainers.world_size)
-        for part, logprobs in zip(shards, await trainers.compute_logprobs(shards), strict=True):
-            for seq, lp in zip(part, logprobs, strict=True):
+        trainer = [lp for logprobs in await trainers.compute_logprobs(shards) for lp in logprobs]
+        ordered = [seq for part in shards for seq in part]
+        metrics.update(batch_mismatch(ordered, trainer))
+        for seq, lp in zip(ordered, trainer, strict=True):
+            if recompute:
+                seq.old_logprobs = lp
+            else:
                 seq.prox_logprobs = lp
-        metrics.update(batch_mismatch(sequences))
 
     async def _gae(self, sequences: list[SequenceData], rewards: list[float], metrics: dict[str, Any]) -> None:
         """With a critic: its values of the batch, then GAE's per-token advantages, returns and old values."""

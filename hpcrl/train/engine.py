@@ -269,7 +269,8 @@ class Engine:
         micro-batch (``outputs``: ``_forward``'s, the policy's token logprobs here, a critic's values in
         ``ValueEngine``); its loss should be the micro-batch's partial sum divided by a ``normalizer`` count.
         Its metrics are read as per-micro-batch means over loss tokens and reported as the loss-token
-        weighted mean over the global batch. Returns global ``loss`` (sum of all partial losses),
+        weighted mean over the global batch; one whose name ends in ``_max`` as the max over micro-batches and ranks.
+        Returns global ``loss`` (sum of all partial losses),
         ``grad_norm`` (before clipping), ``lr`` (used by this step), ``tokens``, ``loss_tokens``,
         ``sequences``, this rank's ``microbatches`` (equal on every rank) and ``step`` (after it).
         """
@@ -299,6 +300,7 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)  # nothing left over from a step that raised
         loss_sum = torch.zeros((), dtype=torch.float64)
         weighted: dict[str, float] = {}
+        maxima: dict[str, float] = {}
         for items in bins:
             if not items:
                 # a forward/backward of zero weight: this rank ran out of sequences, yet FSDP's
@@ -311,7 +313,10 @@ class Engine:
             loss_sum += loss.detach().double().cpu()
             weight = float(mb.loss_mask.sum())
             for name, value in metrics.items():
-                weighted[name] = weighted.get(name, 0.0) + float(value) * weight
+                if name.endswith("_max"):
+                    maxima[name] = max(maxima.get(name, -math.inf), float(value))
+                else:
+                    weighted[name] = weighted.get(name, 0.0) + float(value) * weight
 
         # inf: never clip, but still compute the global norm (a DTensor; clip_grad_norm_ reduces over the mesh)
         max_norm = self.train.grad_clip if self.train.grad_clip > 0 else math.inf
@@ -341,7 +346,7 @@ class Engine:
             "microbatches": float(len(bins)),
             "step": float(self.step),
         }
-        result.update(self._mean_metrics(weighted, loss_tokens))
+        result.update(self._reduce_metrics(weighted, maxima, loss_tokens))
         return result
 
     def _sum_over_ranks(self, values: list[float]) -> list[float]:
@@ -353,19 +358,29 @@ class Engine:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=info.meta_group)
         return tensor.tolist()
 
-    def _mean_metrics(self, weighted: dict[str, float], loss_tokens: float) -> dict[str, float]:
+    def _reduce_metrics(
+        self, weighted: dict[str, float], maxima: dict[str, float], loss_tokens: float
+    ) -> dict[str, float]:
+        """The loss-token weighted means of ``weighted``'s sums and the maxima of ``maxima`` over every rank."""
         info = self.require_setup()[1]
         # a rank whose micro-batches were all empty has no names: agree on the union first
-        names: list[list[str]] = [sorted(weighted)]
+        names: list[list[str]] = [sorted({*weighted, *maxima})]
         if info.world_size > 1:
             names = [[] for _ in range(info.world_size)]
-            dist.all_gather_object(names, sorted(weighted), group=info.meta_group)
+            dist.all_gather_object(names, sorted({*weighted, *maxima}), group=info.meta_group)
         union = sorted({name for rank_names in names for name in rank_names})
         clash = [name for name in union if name in STEP_METRICS]
         if clash:
             raise ValueError(f"loss_fn metrics {clash} clash with train_step's own metrics {STEP_METRICS}; rename them")
-        sums = self._sum_over_ranks([weighted.get(name, 0.0) for name in union])
-        return {name: value / loss_tokens for name, value in zip(union, sums, strict=True)}
+        means = [name for name in union if not name.endswith("_max")]
+        sums = self._sum_over_ranks([weighted.get(name, 0.0) for name in means])
+        result = {name: value / loss_tokens for name, value in zip(means, sums, strict=True)}
+        if peaks := [name for name in union if name.endswith("_max")]:
+            tensor = torch.tensor([maxima.get(name, -math.inf) for name in peaks], dtype=torch.float64)
+            if info.world_size > 1:
+                dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=info.meta_group)
+            result.update(zip(peaks, tensor.tolist(), strict=True))
+        return result
 
     # ---- weights out -------------------------------------------------------------------------------
 

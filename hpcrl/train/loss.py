@@ -9,6 +9,7 @@ from torch import Tensor
 
 from hpcrl.config.schema import AlgorithmConfig
 from hpcrl.train.algorithms import policy_loss
+from hpcrl.train.algorithms.off_policy import SEQUENCE_MISMATCH, mismatch_metrics
 from hpcrl.train.algorithms.value import value_loss
 from hpcrl.train.batch import MicroBatch, Normalizer
 
@@ -29,7 +30,7 @@ def make_loss_fn(cfg: AlgorithmConfig, max_new_tokens: int):
     def loss_fn(logprobs: Tensor, mb: MicroBatch, normalizer: Normalizer):
         if mb.old_logprobs is None:  # the current policy in their place would make every ratio 1: nothing clipped
             raise ValueError("the policy loss needs the behaviour logprobs (old_logprobs) of every sequence")
-        return policy_loss(
+        loss, metrics = policy_loss(
             logprobs,
             mb.old_logprobs,
             mb.token_advantages if mb.token_advantages is not None else mb.advantages,
@@ -40,8 +41,25 @@ def make_loss_fn(cfg: AlgorithmConfig, max_new_tokens: int):
             max_tokens=max_new_tokens,
             global_normalizer=_denominator(cfg, normalizer),
         )
+        return loss, {**metrics, **step_mismatch(logprobs, mb, normalizer)}
 
     return loss_fn
+
+
+def step_mismatch(logprobs: Tensor, mb: MicroBatch, normalizer: Normalizer) -> dict[str, float]:
+    """``off_policy.mismatch_metrics`` of this micro-batch's forward against its behaviour logprobs, in the form the
+    engine reduces to the global batch's: it averages a metric over micro-batches and ranks weighted by their loss
+    tokens (exact for token means) and takes the max of a ``*_max`` one; a per-sequence mean is rescaled here so
+    that this weighted average is the global per-sequence mean. Before an update the forward is the trainer's
+    policy as it stands, so the first update of a step measures the rollout/trainer gap (the controller keeps it)."""
+    stats = mismatch_metrics(logprobs, mb.old_logprobs, mb.loss_mask)
+    keep = mb.loss_mask != 0
+    tokens, sequences = int(keep.sum()), int(keep.any(dim=-1).sum())
+    if tokens and normalizer.sequences:
+        scale = sequences / tokens * normalizer.tokens / normalizer.sequences
+        for name in SEQUENCE_MISMATCH:
+            stats[name] *= scale
+    return stats
 
 
 def make_value_loss_fn(cfg: AlgorithmConfig, max_new_tokens: int):

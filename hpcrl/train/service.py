@@ -33,6 +33,7 @@ from hpcrl.rpc.messages import (
     WeightSpecs,
     WeightSpecsRequest,
 )
+from hpcrl.train.algorithms import needs_proximal
 from hpcrl.train.batch import Sequence
 from hpcrl.train.checkpoint import load_checkpoint, save_checkpoint
 from hpcrl.train.engine import Engine
@@ -102,7 +103,7 @@ class TrainerService(EngineService):
         self.weight_host, self.ports = weight_host, ports
         self.host = None  # rank 0's rendezvous of the weight-update group, once started
         self.loss_fn = make_loss_fn(cfg.algorithm, cfg.rollout.max_new_tokens)
-        self.decoupled = cfg.algorithm.behavior_weight_cap > 0
+        self.decoupled = needs_proximal(cfg.algorithm)
         self.merged = cfg.export.merged  # with LoRA: exports also hold the merged model (export.merged)
         self.group = None  # rank 0's membership of the weight-update group, once joined
 
@@ -137,7 +138,8 @@ class TrainerService(EngineService):
             )
         if self.decoupled and any(s.prox_logprobs is None for s in sequences):
             raise ValueError(
-                "algorithm.behavior_weight_cap > 0 (decoupled PPO) needs prox_logprobs on every sequence: the "
+                "algorithm.behavior_weight_cap > 0 (decoupled PPO) and algorithm.off_policy.kind need prox_logprobs on "
+                "every sequence: the "
                 "policy's logprobs before the step's first update, from compute_logprobs over the whole batch"
             )
         if self.reference is not None:

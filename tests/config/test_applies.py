@@ -35,6 +35,8 @@ DECIDING = {
     "train.lora.rank": (8, 0),
 }
 LAUNCHERS = ("submitit_slurm", "basic")  # hydra/launcher, as DECIDING's
+# algorithm.off_policy.kind has three kinds of mode (a cap, a band, neither): cycled over the workflows
+OFF_POLICY_KINDS = ("tis", "icepop", "none")
 
 
 def set_at(cfg, key: str, value) -> None:
@@ -72,6 +74,7 @@ def modes():
         for workflow, backend, sync, side in shapes:
             cfg = copy.deepcopy(base)
             cfg.workflow.name, cfg.allocation.server.backend, cfg.train.weight_sync = workflow, backend, sync
+            cfg.algorithm.off_policy.kind = OFF_POLICY_KINDS[WORKFLOWS.index(workflow) % len(OFF_POLICY_KINDS)]
             for key, values in DECIDING.items():
                 set_at(cfg, key, copy.deepcopy(values[side]))
             found.append((f"{algorithm}/{workflow}/{backend}/{sync}/{side}", cfg, LAUNCHERS[side]))

@@ -9,14 +9,15 @@ import pytest
 
 from hpcrl.config.schema import Config
 from hpcrl.controller.mismatch import batch_mismatch
+from hpcrl.rpc.messages import SequenceData
 from tests.controller.test_loop import PolicyTrainers, make_loop, sequence
 
 
 def test_a_batch_of_two_lengths_is_measured_on_its_loss_tokens_only():
     # lengths 3 and 2; token 0 is the prompt (mask 0), whose logprobs are junk that must not count
-    short = replace(sequence(2), old_logprobs=[9.0, -1.0], prox_logprobs=[-9.0, -1.0 + math.log(3)])
-    long = replace(sequence(3), old_logprobs=[9.0, -2.0, -1.0], prox_logprobs=[-9.0, -2.0 - 0.5, -1.0 + 0.25])
-    got = batch_mismatch([long, short])
+    short = replace(sequence(2), old_logprobs=[9.0, -1.0])
+    long = replace(sequence(3), old_logprobs=[9.0, -2.0, -1.0])
+    got = batch_mismatch([long, short], [[-9.0, -2.0 - 0.5, -1.0 + 0.25], [-9.0, -1.0 + math.log(3)]])
     d = [-0.5, 0.25, math.log(3)]  # the loss tokens' trainer - behaviour
     assert got["mismatch_abs_mean"] == pytest.approx(sum(map(abs, d)) / 3)
     assert got["mismatch_abs_max"] == pytest.approx(math.log(3))
@@ -27,8 +28,8 @@ def test_a_batch_of_two_lengths_is_measured_on_its_loss_tokens_only():
 
 
 def test_without_the_trainers_logprobs_there_is_nothing_to_measure():
-    assert batch_mismatch([sequence(3)]) == {}
-    assert batch_mismatch([]) == {}
+    assert batch_mismatch([replace(sequence(3), old_logprobs=None)], [[-1.0] * 3]) == {}
+    assert batch_mismatch([], []) == {}
 
 
 def test_decoupled_ppo_logs_the_mismatch_of_the_policy_before_its_first_update(tmp_path):
@@ -42,3 +43,106 @@ def test_decoupled_ppo_logs_the_mismatch_of_the_policy_before_its_first_update(t
     assert metrics["mismatch_kl_k3"] == pytest.approx(math.exp(-0.5) - 1 + 0.5)
     assert metrics["mismatch_out_frac"] == 0.0
     assert metrics["mismatch_seq_log_ratio"] == pytest.approx(-0.5 * (2 + 3 + 4 + 5) / 4)
+
+
+class RecordingTrainers(PolicyTrainers):
+    """PolicyTrainers that also record each update's loss masks and behaviour logprobs, report an in-step
+    mismatch as the trainers' loss does, and count the servers' weight exports made without an update."""
+
+    def __init__(self, prox: list[list[float]] | None = None):
+        super().__init__()
+        self.prox = prox  # per sequence, by its first token id (batch(): its index): the policy's logprobs
+        self.masks: list[list[list[int]]] = []
+        self.old_seen: list[list[float]] = []
+        self.exports: list[str] = []
+
+    async def compute_logprobs(self, shards):
+        if self.prox is None:
+            return await super().compute_logprobs(shards)
+        return [[self.prox[s.input_ids[0]] for s in part] for part in shards]
+
+    async def train_step(self, shards, export_to=""):
+        self.masks.append([s.loss_mask for part in shards for s in part])
+        self.old_seen.append([lp for part in shards for s in part for lp in s.old_logprobs])
+        self.updates += 1
+        return {"loss": 0.0, "mismatch_abs_mean": float(self.updates)}
+
+    async def export_for_servers(self, path):
+        self.exports.append(str(path))
+
+
+def batch(count: int = 4) -> list[SequenceData]:
+    """``count`` sequences of 3 tokens (1 prompt, 2 loss), each one's token ids its index in the batch."""
+    return [replace(sequence(3), input_ids=[i] * 3) for i in range(count)]
+
+
+def off_policy_loop(tmp_path, trainers, **off_policy):
+    cfg = Config()
+    cfg.algorithm = replace(cfg.algorithm, updates_per_batch=2)
+    cfg.algorithm.off_policy = replace(cfg.algorithm.off_policy, **off_policy)
+    return make_loop(tmp_path, cfg, trainers=trainers)
+
+
+def test_mis_token_takes_the_rejected_tokens_out_of_the_loss_mask_before_the_update(tmp_path):
+    # behaviour -0.5 everywhere; trainer ratios exp(d): 1 (kept), 3 (out of [1/2, 2]), 0.25 (out), 1.5 (kept)
+    trainer = [[0.0, -0.5, -0.5 + math.log(3)], [0.0, -0.5 + math.log(0.25), -0.5 + math.log(1.5)]]
+    trainer += [[0.0, -0.5, -0.5], [0.0, -0.5, -0.5]]
+    trainers = RecordingTrainers(trainer)
+    metrics = {}
+    asyncio.run(off_policy_loop(tmp_path, trainers, kind="mis_token")._train_on(
+        batch(), [2, 2], [1.0] * 4, metrics, step=1))  # fmt: skip
+    assert trainers.masks[0] == [[0, 1, 0], [0, 0, 1]]
+    assert trainers.masks[1] == [[0, 1, 1], [0, 1, 1]]
+    assert metrics["off_policy_masked_frac"] == pytest.approx(2 / 8)
+    assert metrics["mismatch_out_frac"] == pytest.approx(2 / 8), "measured on the masks before rejection"
+
+
+def test_mis_sequence_rejects_whole_sequences_and_a_part_left_empty_is_not_trained_on(tmp_path):
+    # the first part's two sequences have products 3 * 1 and 1 * 0.25: both out; the second part's are in
+    trainer = [[0.0, -0.5 + math.log(3), -0.5], [0.0, -0.5, -0.5 + math.log(0.25)]]
+    trainer += [[0.0, -0.5 + math.log(1.5), -0.5], [0.0, -0.5, -0.5]]
+    trainers = RecordingTrainers(trainer)
+    loop = off_policy_loop(tmp_path, trainers, kind="mis_sequence")
+    metrics = {}
+    asyncio.run(loop._train_on(batch(), [2, 2], [1.0] * 4, metrics, step=1, export_to="w"))
+    assert trainers.updates == 1 and trainers.masks == [[[0, 1, 1], [0, 1, 1]]], "only the second part trains"
+    assert loop.counters["updates_skipped"] == 1
+    assert metrics["off_policy_masked_frac"] == pytest.approx(4 / 8)
+    assert trainers.exports == [], "the last part trained and wrote the servers' weights itself"
+
+
+def test_a_skipped_last_part_still_writes_the_servers_weights(tmp_path):
+    trainer = [[0.0, -0.5, -0.5]] * 2 + [[0.0, -0.5 + math.log(3), -0.5]] * 2  # the second part is rejected
+    trainers = RecordingTrainers(trainer)
+    loop = off_policy_loop(tmp_path, trainers, kind="mis_sequence")
+    asyncio.run(loop._train_on(batch(), [2, 2], [1.0] * 4, {}, step=1, export_to="w"))
+    assert trainers.updates == 1 and trainers.exports == ["w"]
+
+
+def test_tis_and_icepop_leave_the_loss_mask_as_it_is(tmp_path):
+    for kind in ("tis", "icepop"):
+        trainers = RecordingTrainers([[0.0, -0.5 + math.log(3), -0.5]] * 4)
+        metrics = {}
+        asyncio.run(off_policy_loop(tmp_path / kind, trainers, kind=kind)._train_on(
+            batch(), [2, 2], [1.0] * 4, metrics, step=1))  # fmt: skip
+        assert trainers.masks == [[[0, 1, 1]] * 2] * 2 and "off_policy_masked_frac" not in metrics
+
+
+def test_recompute_trains_on_the_trainers_logprobs_and_measures_the_servers_gap(tmp_path):
+    cfg = Config()
+    cfg.algorithm = replace(cfg.algorithm, behaviour_logprobs="recompute", updates_per_batch=2)
+    trainers = RecordingTrainers()
+    metrics = {}
+    asyncio.run(make_loop(tmp_path, cfg, trainers=trainers)._train_on(
+        batch(), [2, 2], [1.0] * 4, metrics, step=1))  # fmt: skip
+    assert trainers.old_seen == [[-1.0] * 6, [-1.0] * 6], "the policy before the first update, not the servers'"
+    assert metrics["mismatch_abs_mean"] == pytest.approx(0.5), "the servers' -0.5 against the trainer's -1.0"
+
+
+def test_without_the_trainers_logprobs_the_first_updates_in_step_mismatch_is_kept(tmp_path):
+    trainers = RecordingTrainers()
+    metrics = {}
+    results = asyncio.run(off_policy_loop(tmp_path, trainers)._train_on(
+        batch(), [2, 2], [1.0] * 4, metrics, step=1))  # fmt: skip
+    assert [r.get("mismatch_abs_mean") for r in results] == [1.0, None], "the second update's forward is after one"
+    assert "mismatch_abs_mean" not in metrics

@@ -5,8 +5,8 @@ GRPO, Dr. GRPO, DAPO, REINFORCE++ and PPO differ only in the fields these two en
 - ``compute_advantages(rewards, cfg)``: ``algorithm.advantage`` picks an estimator from ``ESTIMATORS`` (``gae``,
   which needs the critic's values, is the controller's ``apply_gae`` instead).
 - ``policy_loss(...)``: the clipped surrogate (``clip_low``/``clip_high``), optionally against a proximal
-  policy with capped behaviour weights (``behavior_weight_cap``), with a KL term to the reference policy
-  (``kl.coef``) where ``kl.place`` puts it, reduced by ``loss_agg``.
+  policy with capped behaviour weights (``behavior_weight_cap``) or an off-policy correction (``off_policy``),
+  with a KL term to the reference policy (``kl.coef``) where ``kl.place`` puts it, reduced by ``loss_agg``.
 
 For PPO with a learned critic (``algorithm.advantage=gae``), ``gae.py`` (GAE advantages and returns per token,
 outcome-reward placement, batch whitening; called by the controller with the critic's values) and ``value.py``
@@ -42,6 +42,7 @@ from hpcrl.config.checks import kl_combination_problem
 from hpcrl.config.schema import AlgorithmConfig
 from hpcrl.train.algorithms.advantages import ESTIMATORS, equal_reward_groups
 from hpcrl.train.algorithms.aggregate import AGGREGATIONS, aggregate, loss_normalizer
+from hpcrl.train.algorithms.off_policy import correct
 from hpcrl.train.algorithms.policy import (
     KL_ESTIMATORS,
     behavior_weights,
@@ -62,6 +63,7 @@ __all__ = [
     "equal_reward_groups",
     "kl_penalty",
     "loss_normalizer",
+    "needs_proximal",
     "policy_loss",
     "reward_to_go",
 ]
@@ -70,6 +72,11 @@ __all__ = [
 def _pick(options: Collection[str], name: str, field: str) -> None:
     if name not in options:
         raise ValueError(f"algorithm.{field} must be one of {sorted(options)}, got {name!r}; fix the config")
+
+
+def needs_proximal(cfg: AlgorithmConfig) -> bool:
+    """Whether the loss takes its ratio against ``prox_logprobs``: decoupled PPO, or any off-policy correction."""
+    return cfg.behavior_weight_cap > 0 or cfg.off_policy.kind != "none"
 
 
 def compute_advantages(rewards: Tensor, cfg: AlgorithmConfig) -> Tensor:
@@ -100,11 +107,14 @@ def policy_loss(
 
     ``advantages`` is ``[batch]`` or ``[batch, seq]``. With ``cfg.behavior_weight_cap > 0`` the ratio is
     taken against ``prox_logprobs`` (required) and each token's loss is scaled by its behaviour weight, 0
-    above the cap; such tokens still count in the normaliser (AReaL), so it depends on ``mask`` alone. With
-    the cap 0, ``prox_logprobs`` is ignored. ``ref_logprobs`` is required when ``cfg.kl.coef > 0``; the KL
-    term goes where ``cfg.kl.place`` says (module docstring); the ``kl`` metric is the k3 estimate of
-    KL(policy || reference), whatever the term's estimator. ``max_tokens`` and ``global_normalizer``: see
-    ``aggregate``.
+    above the cap; such tokens still count in the normaliser (AReaL). With ``cfg.off_policy.kind`` set the ratio
+    is against ``prox_logprobs`` too and the correction's weight (``off_policy.correct``) scales each token
+    instead, the cap still excluding; the loss is reduced over the correction's ``loss_mask`` (MIS: without the
+    tokens it rejects; metrics ``off_policy_weight_mean`` over the tokens kept, ``off_policy_excluded_frac`` and
+    ``off_policy_truncated_frac`` of the loss tokens). Otherwise ``prox_logprobs`` is ignored.
+    ``ref_logprobs`` is required when ``cfg.kl.coef > 0``; the KL term goes where ``cfg.kl.place`` says (module
+    docstring); the ``kl`` metric is the k3 estimate of KL(policy || reference), whatever the term's estimator.
+    ``max_tokens`` and ``global_normalizer``: see ``aggregate``.
     """
     _pick(AGGREGATIONS, cfg.loss_agg, "loss_agg")
     kl_cfg = cfg.kl
@@ -124,13 +134,23 @@ def policy_loss(
         penalty = kl_penalty(old_logprobs.detach(), ref, kl_cfg.estimator).masked_fill(~keep, 0.0)
         advantages = advantages - kl_cfg.coef * reward_to_go(penalty)
 
-    anchor, weight, kept = old_logprobs, None, keep
-    if cfg.behavior_weight_cap > 0:
+    anchor, weight, kept, loss_keep, correction = old_logprobs, None, keep, keep, None
+    if needs_proximal(cfg):
         if prox_logprobs is None:
-            raise ValueError("algorithm.behavior_weight_cap > 0 needs prox_logprobs (the policy before this update)")
+            raise ValueError(
+                "algorithm.behavior_weight_cap > 0 and algorithm.off_policy.kind need prox_logprobs (the policy "
+                "before this update)"
+            )
         anchor = prox_logprobs.masked_fill(~keep, 0.0)
-        weight, kept = behavior_weights(anchor, old_logprobs, cfg.behavior_weight_cap)
-        kept = kept & keep
+    if cfg.off_policy.kind != "none":
+        correction = correct(anchor, old_logprobs, keep, cfg.off_policy)
+        weight, kept, loss_keep = correction.weight, correction.kept, correction.loss_mask
+    if cfg.behavior_weight_cap > 0:
+        behavior, within = behavior_weights(anchor, old_logprobs, cfg.behavior_weight_cap)
+        # with a correction, its weight replaces the behaviour weight (the same ratio, weighed once) and the cap
+        # still excludes what it excludes; a token so excluded stays in the normaliser, as in AReaL
+        weight = behavior if weight is None else torch.where(within, weight, 0.0)
+        kept = kept & within
     per_token, clipped = clipped_surrogate(logprobs, anchor, advantages, cfg.clip_low, cfg.clip_high)
     if weight is not None:
         per_token = per_token * weight
@@ -141,10 +161,15 @@ def policy_loss(
         if kl_cfg.coef > 0 and kl_cfg.place == "loss":
             per_token = per_token + kl_cfg.coef * kl_penalty(logprobs, ref, kl_cfg.estimator)
 
-    loss = aggregate(per_token, keep, cfg.loss_agg, max_tokens, global_normalizer)
+    loss = aggregate(per_token, loss_keep, cfg.loss_agg, max_tokens, global_normalizer)
     stats["clip_frac"] = _token_mean(clipped.to(per_token.dtype), keep)
     stats["ratio_mean"] = _token_mean(torch.exp(logprobs.detach() - anchor), keep)
-    if weight is not None:
+    if correction is not None:
+        tokens = keep.sum().clamp(min=1)
+        stats["off_policy_weight_mean"] = _token_mean(weight, kept)
+        stats["off_policy_excluded_frac"] = (keep & ~kept).sum() / tokens
+        stats["off_policy_truncated_frac"] = correction.truncated / tokens
+    elif weight is not None:
         stats["behavior_weight_mean"] = _token_mean(weight, kept)
         stats["behavior_excluded_frac"] = 1.0 - _token_mean(kept.to(per_token.dtype), keep)
     return loss, dict(zip(stats, torch.stack(list(stats.values())).tolist(), strict=True))  # one device sync

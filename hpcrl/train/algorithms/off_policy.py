@@ -1,7 +1,7 @@
 """Off-policy corrections and mismatch metrics between the policy that sampled the tokens and the trainer's.
 
-Not wired into ``policy_loss`` yet: no setting reaches these functions. Two logprobs of the same sampled tokens,
-``[batch, seq]`` with ``mask`` 1 on the loss tokens (names as in the package docstring):
+``algorithm.off_policy.kind`` picks the correction ``policy_loss`` applies (``correct``). Two logprobs of the
+same sampled tokens, ``[batch, seq]`` with ``mask`` 1 on the loss tokens (names as in the package docstring):
 
 - behaviour (``old_logprobs``): what the server reported when it sampled them;
 - trainer (``prox_logprobs``): the trainer's logprobs before this step's update. Their ratio
@@ -33,15 +33,16 @@ reach a weight, a count or a metric. Weights are detached: they scale the per-to
   the normaliser: the one difference from ``mis_token``. Use it as MIS at the token level when rejected tokens
   should shrink the update rather than be averaged away.
 
-Composition with decoupled PPO (``behavior_weights`` in ``policy.py``), for the session that wires these in:
-every correction weighs the same ratio as decoupled PPO's behaviour weight, ``prox / behaviour``, and decoupled
-PPO's exclusion above ``behavior_weight_cap`` *is* ``icepop(prox, behaviour, mask, 0, cap)`` (a test checks it).
-So with a correction on, the clipped surrogate's ratio is taken against ``prox_logprobs`` (decoupled PPO's
-anchor; Yao et al.'s ``pi_fsdp(theta_old)``; IcePop's ``pi_train(theta_old)``), and the correction's weight
-*replaces* the behaviour weight: multiplying both would apply the importance ratio twice. The per-token loss is
-then ``correction.weight * clipped_surrogate(logprobs, prox, A)``, reduced by ``aggregate`` over
-``correction.loss_mask`` (whose count is also the normaliser's, so for MIS the global normaliser must be counted
-from the corrected mask).
+Composition with decoupled PPO (``behavior_weights`` in ``policy.py``): every correction weighs the same ratio as
+decoupled PPO's behaviour weight, ``prox / behaviour``, and decoupled PPO's exclusion above ``behavior_weight_cap``
+*is* ``icepop(prox, behaviour, mask, 0, cap)`` (a test checks it). So with a correction on, the clipped surrogate's
+ratio is taken against ``prox_logprobs`` (decoupled PPO's anchor; Yao et al.'s ``pi_fsdp(theta_old)``; IcePop's
+``pi_train(theta_old)``), and the correction's weight *replaces* the behaviour weight: multiplying both would apply
+the importance ratio twice. With ``behavior_weight_cap > 0`` as well, the cap still excludes the tokens above it
+(weight 0, kept in the normaliser). The per-token loss is ``correction.weight * clipped_surrogate(logprobs, prox,
+A)``, reduced by ``aggregate`` over ``correction.loss_mask``. For MIS that mask is also what the normaliser
+counts: on the trainers, whose normaliser is counted over the global batch before the loss runs, the controller
+has already taken the rejected tokens out of the batch's loss mask (``controller/mismatch.py``).
 """
 
 from __future__ import annotations
@@ -52,10 +53,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from hpcrl.config.schema import OffPolicyConfig
 from hpcrl.train.algorithms.policy import k3
 
 # mismatch_metrics counts a token as out of band when its ratio leaves [1/2, 2]
 OUT_BAND = 2.0
+# mismatch_metrics' means over sequences (the others are over tokens, and the max)
+SEQUENCE_MISMATCH = ("mismatch_seq_out_frac", "mismatch_seq_log_ratio")
 
 
 @dataclass(frozen=True)
@@ -148,6 +152,21 @@ def icepop(trainer_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, a
     _check_band(alpha, beta, "icepop", "alpha", "beta")
     keep, d = _masked_log_ratio(trainer_logprobs, behaviour_logprobs, mask)
     return _masked_ratio(d, keep, keep & _in_band(d, alpha, beta), loss_mask=keep)
+
+
+def correct(trainer_logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor, cfg: OffPolicyConfig) -> Correction:
+    """The correction ``cfg.kind`` names (not ``none``), with its cap (``tis``) or band (the others)."""
+    if cfg.kind == "tis":
+        return tis(trainer_logprobs, behaviour_logprobs, mask, cfg.cap)
+    if cfg.kind not in _BANDED:
+        raise ValueError(f"algorithm.off_policy.kind must be one of tis, {', '.join(_BANDED)}, got {cfg.kind!r}")
+    return _BANDED[cfg.kind](trainer_logprobs, behaviour_logprobs, mask, cfg.low, cfg.high)
+
+
+_BANDED = {"mis_token": mis_token, "mis_sequence": mis_sequence, "icepop": icepop}
+# the corrections that take tokens out of the loss and its normaliser: the controller removes them from the
+# batch's loss mask before the step, so that the trainers' global normaliser counts only the kept tokens
+MASKING = ("mis_token", "mis_sequence")
 
 
 def _masked_log_ratio(trainer: Tensor, behaviour: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
