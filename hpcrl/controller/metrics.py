@@ -148,7 +148,8 @@ def _cell(value: Any) -> str:
 
 
 def step_line(step: int, m: dict[str, Any]) -> str:
-    """One step as a line of the controller's log: reward, accuracy when measured, step time, staleness, rejections."""
+    """One step as a line of the controller's log: reward, accuracy when measured, step time, staleness, the
+    rollout/trainer mismatch (mean and max |trainer - behaviour logprob|), rejections."""
     parts = [f"step {step}: reward {m.get('reward_mean', float('nan')):.3f}"]
     if "eval_accuracy" in m:
         parts.append(f"accuracy {m['eval_accuracy']:.3f}")
@@ -156,6 +157,8 @@ def step_line(step: int, m: dict[str, Any]) -> str:
         parts.append(f"loss {m['loss']:.4g}")
     parts.append(f"{m.get('time_step_s', float('nan')):.2f} s")
     parts.append(f"staleness {m.get('staleness_mean', 0.0):.2f} (max {m.get('staleness_max', 0)})")
+    if "mismatch_abs_mean" in m:
+        parts.append(f"mismatch {m['mismatch_abs_mean']:.3g} (max {m.get('mismatch_abs_max', float('nan')):.3g})")
     if "completion_len_mean" in m:
         parts.append(f"completion {m['completion_len_mean']:.1f} tokens")
     if m.get("groups_rejected"):

@@ -116,3 +116,8 @@ def test_the_step_line_says_reward_accuracy_time_and_staleness():
     line = step_line(2, {**STEPS[1], "completion_len_mean": 2.0, "groups_rejected": 3})
     expected = "step 2: reward 0.500, loss 0.25, 1.25 s, staleness 0.50 (max 1), completion 2.0 tokens"
     assert line == f"{expected}, 3 groups rejected so far"
+
+
+def test_the_step_line_says_the_rollout_trainer_mismatch():
+    line = step_line(2, {**STEPS[1], "mismatch_abs_mean": 0.0123, "mismatch_abs_max": 0.5})
+    assert line == "step 2: reward 0.500, loss 0.25, 1.25 s, staleness 0.50 (max 1), mismatch 0.0123 (max 0.5)"
