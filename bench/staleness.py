@@ -140,7 +140,8 @@ def main() -> None:
                         o = outcome(run_job(overrides, root, trial), args.target)
                         outcomes.append(o)
                         seed_rows.append(seed_row(cell, seed, o))
-                        print(f"{trial}: target at step {o.step} ({o.wall_s} s), {o.steps_run} steps run", flush=True)
+                        wall = "-" if o.wall_s is None else f"{o.wall_s:.1f} s"
+                        print(f"{trial}: target at step {_dash(o.step)} ({wall}), {o.steps_run} steps run", flush=True)
                     cell_rows.append(cell_row(cell, outcomes))
     finally:
         shutil.rmtree(root, ignore_errors=True)
