@@ -259,11 +259,6 @@ def test_the_cap_keeps_an_excluded_token_in_the_normaliser():
     close(loss, (-0.11 - 3) / 9)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="policy_loss reports correction.truncated as is: a token the cap excluded (weight 0) still counts as "
-    "truncated to the TIS cap, so it is in both off_policy_excluded_frac and off_policy_truncated_frac",
-)
 def test_a_tis_token_the_cap_excludes_is_not_also_counted_as_truncated():
     # (0, 1): rho 4, truncated to 2 by TIS, then excluded by the cap 1.4: its weight is 0, not the TIS cap
     _, _, metrics = loss_and_grad(cfg_of("tis", behavior_weight_cap=CAP))

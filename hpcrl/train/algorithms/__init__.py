@@ -33,6 +33,7 @@ Names of the policies:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 
 import torch
@@ -165,10 +166,12 @@ def policy_loss(
     stats["clip_frac"] = _token_mean(clipped.to(per_token.dtype), keep)
     stats["ratio_mean"] = _token_mean(torch.exp(logprobs.detach() - anchor), keep)
     if correction is not None:
-        tokens = keep.sum().clamp(min=1)
+        tokens = keep.sum().clamp(min=1).to(per_token.dtype)  # long / long would be float32
+        # a token the behaviour cap excluded is not also one TIS truncated: count the truncated among the kept
+        truncated = (kept & (anchor - old_logprobs.detach() > math.log(cfg.off_policy.cap))).sum()
         stats["off_policy_weight_mean"] = _token_mean(weight, kept)
         stats["off_policy_excluded_frac"] = (keep & ~kept).sum() / tokens
-        stats["off_policy_truncated_frac"] = correction.truncated / tokens
+        stats["off_policy_truncated_frac"] = truncated / tokens if cfg.off_policy.kind == "tis" else 0.0 * tokens
     elif weight is not None:
         stats["behavior_weight_mean"] = _token_mean(weight, kept)
         stats["behavior_excluded_frac"] = 1.0 - _token_mean(kept.to(per_token.dtype), keep)
