@@ -4,8 +4,10 @@ A run resumed from a checkpoint (``recover.mode=auto``, or a requeued Slurm job)
 and optimizer state, the data position and the controller's counters. Its new config is compared with the one the
 run uses (the run directory's ``config_file``), key by key:
 
-- ``FIXED`` settings cannot change: the checkpoint holds or counts in what they made. A change is refused before
-  anything starts (``ConfigError``, one line naming each with its old and new value).
+- ``FIXED`` settings cannot change: the checkpoint holds or counts in what they made. Nor can the LoRA adapter's
+  shape (``ADAPTER``: ``train.lora``'s rank, alpha and target modules, when either config trains an adapter), which
+  the checkpoint's tensors have. A change is refused before anything starts (``ConfigError``, one line naming each
+  with its old and new value), not left to the trainers' load, whose failure sets the checkpoint aside as broken.
 - ``THIS_START`` settings say how this command starts (where the run is, whether it resumes, a dry run): never
   compared.
 - Every other setting (the learning rate, ``run.max_steps``, logging, evaluation, checkpoint and export cadence,
@@ -38,6 +40,9 @@ FIXED = (
     "workflow",  # what an episode is (the tiny model's alphabet holds the text it adds)
     "reward.fn",  # what the run rewards
 )
+# a LoRA checkpoint holds an adapter of this shape and no base weights, a full one no adapter (its dropout changes no
+# weight): with full weights (rank 0 before and after) alpha and targets shape nothing
+ADAPTER = ("train.lora.rank", "train.lora.alpha", "train.lora.target_modules")
 THIS_START = ("run.root", "run.experiment", "run.trial", "run.dry_run", "recover.mode")
 
 
@@ -98,17 +103,19 @@ def check_start(cfg: Config, run_dir: RunDir) -> Resume | None:
 
 def check_changes(saved: Config, new: Config, run_dir: RunDir) -> list[Change]:
     """The settings ``new`` changes from ``saved``, the config of the run in ``run_dir``; ConfigError naming every
-    ``FIXED`` one changed, with the first as the field."""
+    ``FIXED`` one changed, and every ``ADAPTER`` one when either trains a LoRA adapter, with the first as the field."""
     changes = changed_settings(saved, new)
-    fixed = [c for c in changes if _under(c.key, FIXED)]
+    adapter = saved.train.lora.rank > 0 or new.train.lora.rank > 0
+    fixed = [c for c in changes if _under(c.key, FIXED) or (adapter and c.key in ADAPTER)]
     if fixed:
         first = fixed[0]
         raise ConfigError(
             first.key,
             first.new,
             f"{first.old!r}, as the run in {run_dir.path} ({run_dir.config_file.name}) has it: a resume keeps the "
-            f"model, algorithm, dataset, run.seed, workflow and reward.fn its checkpoints were made with (changed: "
-            f"{'; '.join(map(str, fixed))}); set them back, or start a new run with another run.trial",
+            f"model, algorithm, dataset, run.seed, workflow, reward.fn and LoRA adapter shape its checkpoints were "
+            f"made with (changed: {'; '.join(map(str, fixed))}); set them back, or start a new run with another "
+            "run.trial",
         )
     return changes
 

@@ -34,3 +34,34 @@ def test_only_the_fixed_settings_are_refused(tmp_path):
     reward = replace(lr, reward=replace(lr.reward, fn="m:f"))
     with pytest.raises(ConfigError, match=r"^reward.fn='m:f' is invalid: expected 'hpcrl.reward.builtin:mod10', as"):
         check_changes(Config(), reward, run_dir)
+
+
+def test_elastic_resume_keeps_the_lora_adapter_shape_and_changes_the_allocation(tmp_path):
+    run_dir, lora = RunDir(tmp_path), replace(Config().train.lora, rank=8)
+    adapter = Config(train=replace(Config().train, lora=lora))
+
+    def resumed(**changed) -> Config:
+        return replace(adapter, train=replace(adapter.train, lora=replace(lora, **changed)))
+
+    # the trainers' load would fail on another shape and set every checkpoint aside as broken: refused before
+    for changed, key in [({"rank": 16}, "train.lora.rank"), ({"alpha": 32.0}, "train.lora.alpha")]:
+        with pytest.raises(ConfigError, match=rf"^{key}=.* a resume keeps the .* and LoRA adapter shape its"):
+            check_changes(adapter, resumed(**changed), run_dir)
+    with pytest.raises(ConfigError, match=r"^train.lora.rank=8 is invalid: expected 0, .*\(changed: train.lora.rank"):
+        check_changes(Config(), adapter, run_dir)  # full weights to an adapter
+    # dropout changes no weight; full weights have no adapter shape; trainers, servers, rollout workers may change
+    assert check_changes(adapter, resumed(dropout=0.1), run_dir) == [Change("train.lora.dropout", 0.0, 0.1)]
+    full_alpha = Config(train=replace(Config().train, lora=replace(Config().train.lora, alpha=32.0)))
+    assert [c.key for c in check_changes(Config(), full_alpha, run_dir)] == ["train.lora.alpha"]
+    allocation = Config().allocation
+    elsewhere = replace(
+        adapter,
+        allocation=replace(
+            allocation,
+            trainer=replace(allocation.trainer, workers=1),
+            server=replace(allocation.server, workers=3),
+        ),
+        rollout=replace(adapter.rollout, workers=2),
+    )
+    keys = ["allocation.server.workers", "allocation.trainer.workers", "rollout.workers"]
+    assert [c.key for c in check_changes(adapter, elsewhere, run_dir)] == keys
