@@ -15,8 +15,8 @@ setting's own defaults for its cap or band).
 Per seed: the step of the first evaluation at the target ("-" if none within the budget), the wall time to it,
 the accuracy the job ended with and the steps it ran. The wall time is the sum of the steps' ``time_step_s``
 (rollout wait + train + weight sync) from step 1 through that step: metrics.jsonl has no timestamps, and this
-leaves out start-up and the held-out evaluations (during which, with staleness > 0, generation goes on, so the
-next step waits less: a small bias in the stale runs' favour). Per cell: the seeds at the target and the median
+leaves out start-up and the held-out evaluations (during which the next batch's generation may go on, so the
+step after one waits less). Per cell: the seeds at the target and the median
 step and wall time over all its seeds, a seed that missed the target counting as beyond the budget (so the
 median is "-" when half or more missed). With ``max_staleness > 0`` which weights sample a token depends on
 timing: runs of a seed differ, and the machine's load moves the wall time. ``-- OVERRIDE ...`` goes to every job.
