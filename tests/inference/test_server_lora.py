@@ -285,6 +285,23 @@ def test_weight_names_stay_hugging_faces_with_adapters_in_the_model(tiny_model, 
     assert not any(".lora_" in k for k in runner.model.state_dict())
 
 
+def test_elastic_resume_an_adapter_trained_with_dropout_generates_without_it(tiny_model, adapters):
+    """A trainer's adapter keeps its ``lora_dropout`` in adapter_config.json; SGLang applies none, and neither does the
+    server: its logits are the same every time (they were random, so a LoRA run with dropout never repeated)."""
+    from hpcrl.inference.server import lora_model
+    from hpcrl.inference.server.runner import ModelRunner
+
+    runner = ModelRunner(str(tiny_model))
+    saved = json.loads(Path(adapters["a"], "adapter_config.json").read_text())
+    config = lora_model.peft_config({**saved, "lora_dropout": 0.5})
+    lora_model.add_adapter(runner, "id1", config, lora_model.read_adapter_tensors(adapters["a"]))
+    assert not [name for name, module in runner.model.named_modules() if module.training]
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        first, again = (runner.model(input_ids=ids).logits for _ in range(2))
+    assert torch.equal(first, again)
+
+
 def test_update_weight_version_sets_what_requests_report(lora_server):
     """SGLang's ``/update_weight_version``, which a LoRA push sends after the load (a load changes no version)."""
     status, out = lora_server.post("/update_weight_version", {"new_version": "7", "abort_all_requests": False})

@@ -53,6 +53,7 @@ def add_adapter(runner: ModelRunner, adapter_id: str, config, tensors: dict[str,
 
     try:
         inject_adapter_in_model(config, runner.model, adapter_name=adapter_id)
+        runner.model.eval()  # the injected modules start in training mode: their lora_dropout would drop at random
         _load(runner.model, adapter_id, tensors)
     except Exception as e:
         remove_adapter(runner, adapter_id)
