@@ -12,6 +12,7 @@ import time
 
 from hpcrl.config.schema import Config
 from hpcrl.net import PortAllocator
+from hpcrl.rollout.workflows.base import derive_seed
 from hpcrl.rpc.messages import (
     Ack,
     ComputeLogprobs,
@@ -105,6 +106,7 @@ class TrainerService(EngineService):
         self.loss_fn = make_loss_fn(cfg.algorithm, cfg.rollout.max_new_tokens)
         self.decoupled = needs_proximal(cfg.algorithm)
         self.merged = cfg.export.merged  # with LoRA: exports also hold the merged model (export.merged)
+        self.seed = cfg.run.seed  # the random draws of each update (LoRA dropout) derive from it
         self.group = None  # rank 0's membership of the weight-update group, once joined
 
     def handlers(self) -> dict:
@@ -145,6 +147,7 @@ class TrainerService(EngineService):
         if self.reference is not None:
             for seq, lp in zip(sequences, self.reference.sequence_logprobs(sequences, msg.temperature), strict=True):
                 seq.ref_logprobs = lp
+        _seed_update(self.seed, self.engine.step, self.rank)
         metrics = self.engine.train_step(sequences, self.loss_fn, msg.temperature)
         if msg.export_to:
             start = time.monotonic()
@@ -201,6 +204,16 @@ class TrainerService(EngineService):
             leave_weight_group(self.group)
             self.group = None
         return Ack()
+
+
+def _seed_update(seed: int, update: int, rank: int) -> None:
+    """Seed the global generators, which LoRA dropout draws from, for optimizer update ``update`` on ``rank``.
+
+    Their state is in no checkpoint: seeded per update from ``run.seed``, a run resumed from its checkpoint (which
+    restores the update count) draws what the uninterrupted run drew, where a new process would start over."""
+    import torch
+
+    torch.manual_seed(derive_seed(seed, "train", update, rank))
 
 
 def _first(indices: list[int], shown: int = 8) -> str:

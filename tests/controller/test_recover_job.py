@@ -251,11 +251,13 @@ def test_a_newest_checkpoint_with_its_trainer_state_cut_short_resumes_from_the_o
 
 
 @pytest.mark.slow
-def test_a_lora_run_resumed_from_its_checkpoint_goes_on_as_the_uninterrupted_one(tmp_path):
+def test_elastic_resume_of_a_lora_run_with_dropout_goes_on_as_the_uninterrupted_one(tmp_path):
     """The adapter and its optimizer state are all a LoRA checkpoint holds: resumed at step 3 (its adapter loaded
     into the trainers and pushed to the servers first), steps 4-6 sample the same rewards and train the same loss
-    as a run that never stopped."""
-    lora = ["train.lora.rank=8", "train.lr=1e-3", "checkpoint.every_steps=3", "eval.every_steps=0"]
+    as a run that never stopped. With dropout too: the trainers seed each update's draws, which a new process would
+    otherwise start over."""
+    lora = ["train.lora.rank=8", "train.lora.dropout=0.1", "train.lr=1e-3", "checkpoint.every_steps=3"]
+    lora += ["eval.every_steps=0"]
     lora += ["eval.stop_at_accuracy=0", "rollout.prompts_per_step=8"]
     whole = summary_of(run_job(tmp_path, "run.trial=whole", "run.max_steps=6", *lora))
     summary_of(run_job(tmp_path, "run.trial=cut", "run.max_steps=3", *lora))
