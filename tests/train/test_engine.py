@@ -6,23 +6,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from hpcrl.config.schema import TrainConfig
 from hpcrl.train.batch import Sequence
-from hpcrl.train.dist import init_distributed
 from hpcrl.train.engine import Engine
 
 TRAIN = TrainConfig(lr=1e-3, grad_clip=1.0, micro_batch_tokens=32)
-
-
-@pytest.fixture(scope="module")
-def dist_info():
-    created = not dist.is_initialized()
-    info = init_distributed()
-    yield info
-    if created:
-        dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -8,14 +8,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 
 from hpcrl.config.schema import Config, LoRAConfig, TrainConfig
 from hpcrl.rpc.messages import ExportWeights
 from hpcrl.train.batch import Sequence
 from hpcrl.train.checkpoint import STATE_FILE, checkpoint_lora_problem, load_checkpoint, save_checkpoint
-from hpcrl.train.dist import init_distributed
 from hpcrl.train.engine import Engine
 from hpcrl.train.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraAdapterRequest, lora_targets_problem
 from hpcrl.train.lora_reference import BaseReference
@@ -23,15 +21,6 @@ from hpcrl.train.weight_push import push_over_group, push_to_disk, weight_specs
 
 LORA = LoRAConfig(rank=4, alpha=8.0)
 TRAIN = TrainConfig(lr=1e-2, weight_decay=0.01, micro_batch_tokens=64, lora=LORA)
-
-
-@pytest.fixture(scope="module")
-def dist_info():
-    created = not dist.is_initialized()
-    info = init_distributed()
-    yield info
-    if created:
-        dist.destroy_process_group()
 
 
 @pytest.fixture

@@ -6,12 +6,10 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from hpcrl.config.schema import AlgorithmConfig, TrainConfig
 from hpcrl.train.algorithms.off_policy import SEQUENCE_MISMATCH, mismatch_metrics
 from hpcrl.train.batch import Sequence
-from hpcrl.train.dist import init_distributed
 from hpcrl.train.engine import Engine
 from hpcrl.train.loss import make_loss_fn
 
@@ -24,15 +22,6 @@ LENGTHS = [14, 4, 11, 6, 9, 5]
 LOSS = [True, True, True, True, True, False]
 # behaviour = trainer - offset: sequence 2 holds the largest gap (1.5) and sequence 1 two out-of-band tokens
 OFFSETS = {0: [0.1, -0.2, 0.3], 1: [0.9, -0.8], 2: [0.05, -1.5, 0.2], 3: [-0.1], 4: [0.4, 0.0]}
-
-
-@pytest.fixture(scope="module")
-def dist_info():
-    created = not dist.is_initialized()
-    info = init_distributed()
-    yield info
-    if created:
-        dist.destroy_process_group()
 
 
 @pytest.fixture
