@@ -12,7 +12,6 @@ import time
 
 from hpcrl.config.schema import Config
 from hpcrl.net import PortAllocator
-from hpcrl.rollout.workflows.base import derive_seed
 from hpcrl.rpc.messages import (
     Ack,
     ComputeLogprobs,
@@ -34,6 +33,7 @@ from hpcrl.rpc.messages import (
     WeightSpecs,
     WeightSpecsRequest,
 )
+from hpcrl.seeds import derive_seed
 from hpcrl.train.algorithms import needs_proximal
 from hpcrl.train.batch import Sequence
 from hpcrl.train.checkpoint import load_checkpoint, save_checkpoint

@@ -29,10 +29,11 @@ the same seed and the same weights give the same samples.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from hpcrl.seeds import derive_seed as derive_seed  # the workflows and the controller import it from here
 
 
 class Rewarder(Protocol):
@@ -127,15 +128,6 @@ def sampling_params(rollout: Any) -> dict[str, Any]:
     if rollout.stop:
         params["stop"] = list(rollout.stop)
     return params
-
-
-def derive_seed(seed: int | None, *parts: object) -> int | None:
-    """A seed in [0, 2**63) for a part of what ``seed`` seeds (a sample, a turn, a request), the same in every
-    process and run (not Python's salted ``hash``); None stays None (no seed: the server's own randomness)."""
-    if seed is None:
-        return None
-    digest = hashlib.blake2b("/".join(map(str, (seed, *parts))).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") >> 1
 
 
 def version_number(weight_version: Any) -> int:
