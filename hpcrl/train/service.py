@@ -104,7 +104,7 @@ class TrainerService(EngineService):
         self.weight_host, self.ports = weight_host, ports
         self.host = None  # rank 0's rendezvous of the weight-update group, once started
         self.loss_fn = make_loss_fn(cfg.algorithm, cfg.rollout.max_new_tokens)
-        self.decoupled = needs_proximal(cfg.algorithm)
+        self.needs_proximal = needs_proximal(cfg.algorithm)
         self.merged = cfg.export.merged  # with LoRA: exports also hold the merged model (export.merged)
         self.seed = cfg.run.seed  # the random draws of each update (LoRA dropout) derive from it
         self.group = None  # rank 0's membership of the weight-update group, once joined
@@ -138,7 +138,7 @@ class TrainerService(EngineService):
                 f"sequence(s) {_first(missing)} of this rank's {len(sequences)} have no old_logprobs: the policy loss "
                 "needs the behaviour policy's logprobs of the sampled tokens, as the servers reported them"
             )
-        if self.decoupled and any(s.prox_logprobs is None for s in sequences):
+        if self.needs_proximal and any(s.prox_logprobs is None for s in sequences):
             raise ValueError(
                 "algorithm.behavior_weight_cap > 0 (decoupled PPO) and algorithm.off_policy.kind need prox_logprobs on "
                 "every sequence: the "
