@@ -253,19 +253,24 @@ def test_a_newest_checkpoint_with_its_trainer_state_cut_short_resumes_from_the_o
 @pytest.mark.slow
 def test_elastic_resume_of_a_lora_run_with_dropout_goes_on_as_the_uninterrupted_one(tmp_path):
     """The adapter and its optimizer state are all a LoRA checkpoint holds: resumed at step 3 (its adapter loaded
-    into the trainers and pushed to the servers first), steps 4-6 sample the same rewards and train the same loss
-    as a run that never stopped. With dropout too: the trainers seed each update's draws, which a new process would
-    otherwise start over."""
+    into the trainers and pushed to the servers first), steps 4-5 sample the same rewards and train the same loss
+    as the run that never stopped. With dropout too: the trainers seed each update's draws, which a new process would
+    otherwise start over. The resumed run is a copy of the whole one with its checkpoints after step 3 gone."""
     lora = ["train.lora.rank=8", "train.lora.dropout=0.1", "train.lr=1e-3", "checkpoint.every_steps=3"]
-    lora += ["eval.every_steps=0"]
-    lora += ["eval.stop_at_accuracy=0", "rollout.prompts_per_step=8"]
-    whole = summary_of(run_job(tmp_path, "run.trial=whole", "run.max_steps=6", *lora))
-    summary_of(run_job(tmp_path, "run.trial=cut", "run.max_steps=3", *lora))
-    resumed = run_job(tmp_path, "run.trial=cut", "run.max_steps=6", "recover.mode=auto", *lora)
-    assert summary_of(resumed)["resumed_from_step"] == 3 and whole["steps"] == 6
+    lora += ["eval.every_steps=0", "eval.stop_at_accuracy=0", "rollout.prompts_per_step=8", "recover.mode=auto"]
+    whole = summary_of(run_job(tmp_path, "run.trial=whole", "run.max_steps=5", *lora))
+    runs = tmp_path / "default"
+    shutil.copytree(runs / "whole", runs / "cut")
+    for later in (runs / "cut" / "checkpoints").glob("step_*"):
+        if int(later.name.removeprefix("step_")) > 3:
+            shutil.rmtree(later)
+    resumed = run_job(tmp_path, "run.trial=cut", "run.max_steps=5", *lora)
+    assert summary_of(resumed)["resumed_from_step"] == 3 and whole["steps"] == 5
     keys = ("reward_mean", "loss", "grad_norm", "token_version_min")
-    rows = {trial: metrics_of(tmp_path / "default" / trial) for trial in ("whole", "cut")}
-    assert [r["step"] for r in rows["cut"]] == list(range(1, 7))
+    rows = {trial: metrics_of(runs / trial) for trial in ("whole", "cut")}
+    assert [r["step"] for r in rows["cut"]] == list(range(1, 6))
     assert [[r[k] for k in keys] for r in rows["cut"][3:]] == [[r[k] for k in keys] for r in rows["whole"][3:]]
-    checkpoint = tmp_path / "default" / "cut" / "checkpoints" / "step_000003"
-    assert json.loads((checkpoint / "trainer_state.json").read_text())["lora"]["rank"] == 8
+    assert (
+        json.loads((runs / "cut" / "checkpoints" / "step_000003" / "trainer_state.json").read_text())["lora"]["rank"]
+        == 8
+    )
