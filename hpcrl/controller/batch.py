@@ -29,7 +29,8 @@ def to_sequences(groups: list[Group], cfg: AlgorithmConfig) -> list[SequenceData
                     input_ids=group.prompt_ids + sample.output_ids,
                     loss_mask=[0] * n_prompt + sample.mask(),
                     advantage=float(advantage),
-                    old_logprobs=[0.0] * n_prompt + sample.logprobs,
+                    # None: the servers were asked for none; the trainers' take their place (behaviour_logprobs)
+                    old_logprobs=None if sample.logprobs is None else [0.0] * n_prompt + sample.logprobs,
                     prox_logprobs=None,
                     ref_logprobs=None,
                     versions=[-1] * n_prompt + sample.versions,

@@ -34,7 +34,7 @@ from hpcrl.config.schema import AlgorithmConfig, Config
 from hpcrl.controller.batch import apply_gae, rollout_stats, shard, to_sequences
 from hpcrl.controller.evaluate import greedy_accuracy
 from hpcrl.controller.metrics import MetricsLog, sample_rows
-from hpcrl.controller.mismatch import batch_mismatch, first_update_mismatch, mask_rejected
+from hpcrl.controller.mismatch import batch_mismatch, first_update_mismatch, log_unmeasured, mask_rejected
 from hpcrl.controller.preempt import Preempted, PreemptionGuard
 from hpcrl.controller.recovery import Checkpoints, ControllerState, resume_candidates, rng_states, set_rng_states
 from hpcrl.controller.rows import TrainingRows
@@ -88,6 +88,7 @@ class Loop:
         self.progress: Callable[[int, dict[str, Any]], None] = lambda step, metrics: None
         self.preempt: PreemptionGuard | None = None  # notes Slurm's preemption or time-limit signal
         self._workflow: Any = None  # this process's workflow: its episodes, and a plug-in's held-out evaluation
+        log_unmeasured(cfg.algorithm)
 
     async def run(self, sync: WeightSync) -> dict[str, Any]:
         """Train until run.max_steps or eval.stop_at_accuracy; return the summary."""
@@ -310,14 +311,15 @@ class Loop:
                 critics.train_step(shard(chunk, critics.world_size)),
             )
             results.append({**actor, **{f"critic_{k}": critic[k] for k in CRITIC_METRICS if k in critic}})
-        first_update_mismatch(results, measured=any(k.startswith("mismatch_") for k in metrics))
+        measured = any(k.startswith("mismatch_") for k in metrics)
+        first_update_mismatch(results, keep=not measured and self.cfg.algorithm.behaviour_logprobs == "server")
         return results
 
     async def _proximal(self, sequences: list[SequenceData], metrics: dict[str, Any]) -> None:
         """The trainers' logprobs of the batch before this step's first update, where the loss needs them: decoupled
         PPO and the off-policy corrections as every sequence's ``prox_logprobs``, ``algorithm.behaviour_logprobs=
-        recompute`` as its ``old_logprobs`` (the servers' then only measure the gap); and their gap to the servers'
-        behaviour logprobs (``mismatch_*``, ``controller/mismatch.py``)."""
+        recompute`` as its ``old_logprobs`` (the servers were asked for none); and their gap to the servers'
+        behaviour logprobs where there are some (``mismatch_*``, ``controller/mismatch.py``)."""
         algorithm = self.cfg.algorithm
         recompute = algorithm.behaviour_logprobs == "recompute"
         if not (needs_proximal(algorithm) or recompute):

@@ -7,19 +7,34 @@ update (``prox_logprobs``). Their gap is what off-policy corrections act on: num
 precision) when the servers sampled with the trainer's current weights, and the policy's own change besides when
 the samples are stale (the ``staleness_*`` metrics beside them say how stale). ``off_policy.mismatch_metrics``
 defines each number. Without those logprobs, the trainers measure the gap in the step's first update instead
-(``train/loss.py``'s ``step_mismatch``), and ``first_update_mismatch`` keeps that update's numbers.
+(``train/loss.py``'s ``step_mismatch``), and ``first_update_mismatch`` keeps that update's numbers. With
+``algorithm.behaviour_logprobs=recompute`` the servers are asked for no logprobs, so there is nothing to measure
+against: no ``mismatch_*`` metric at all (``log_unmeasured`` says so once, in the controller's log).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from hpcrl.config.schema import OffPolicyConfig
+from hpcrl.config.schema import AlgorithmConfig, OffPolicyConfig
 from hpcrl.rpc.messages import SequenceData
 from hpcrl.train.algorithms.off_policy import MASKING, correct, mismatch_metrics
 
 PREFIX = "mismatch_"
+
+log = logging.getLogger(__name__)
+
+
+def log_unmeasured(cfg: AlgorithmConfig) -> None:
+    """One line in the log, when the run has no server logprobs to measure the mismatch with."""
+    if cfg.behaviour_logprobs == "recompute":
+        log.info(
+            "algorithm.behaviour_logprobs=recompute: the servers are asked for no logprobs and the trainers' own "
+            "are the behaviour logprobs, so the rollout/trainer mismatch is not measured (no mismatch_* metrics)"
+        )
 
 
 def batch_mismatch(sequences: list[SequenceData], trainer: list[list[float]]) -> dict[str, float]:
@@ -47,12 +62,13 @@ def mask_rejected(sequences: list[SequenceData], cfg: OffPolicyConfig) -> dict[s
     return {"off_policy_masked_frac": float((mask & ~kept).sum() / mask.sum().clamp(min=1))}
 
 
-def first_update_mismatch(results: list[dict[str, float]], measured: bool) -> None:
-    """Keep the trainers' ``mismatch_*`` numbers of the step's first update only, the one whose forward is the
-    policy before the step (a later update's is after an update); none when the controller ``measured`` the
-    whole batch itself. In place."""
+def first_update_mismatch(results: list[dict[str, float]], keep: bool) -> None:
+    """Keep (with ``keep``) the trainers' ``mismatch_*`` numbers of the step's first update only, the one whose
+    forward is the policy before the step (a later update's is after an update); none without ``keep``: when the
+    controller measured the whole batch itself, or the behaviour logprobs are the trainers' own (recompute).
+    In place."""
     for i, result in enumerate(results):
-        if measured or i > 0:
+        if not keep or i > 0:
             for name in [k for k in result if k.startswith(PREFIX)]:
                 del result[name]
 

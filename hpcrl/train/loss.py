@@ -24,8 +24,11 @@ def make_loss_fn(cfg: AlgorithmConfig, max_new_tokens: int):
     Each micro-batch's loss is its partial sum divided by the GLOBAL count (loss tokens for token-level
     aggregation, sequences otherwise), so the micro-batch losses of every rank add up to the loss of the
     whole batch. Dr. GRPO's constant divisor is ``rollout.max_new_tokens``. Per-token advantages (GAE) are
-    used where the batch has them, else each sequence's one advantage.
+    used where the batch has them, else each sequence's one advantage. The rollout/trainer mismatch
+    (``step_mismatch``) is measured against the servers' logprobs only: with ``behaviour_logprobs=recompute``
+    the behaviour logprobs are this trainer's own, so there is no gap to measure and no ``mismatch_*`` metric.
     """
+    measure = cfg.behaviour_logprobs == "server"
 
     def loss_fn(logprobs: Tensor, mb: MicroBatch, normalizer: Normalizer):
         if mb.old_logprobs is None:  # the current policy in their place would make every ratio 1: nothing clipped
@@ -41,7 +44,7 @@ def make_loss_fn(cfg: AlgorithmConfig, max_new_tokens: int):
             max_tokens=max_new_tokens,
             global_normalizer=_denominator(cfg, normalizer),
         )
-        return loss, {**metrics, **step_mismatch(logprobs, mb, normalizer)}
+        return loss, ({**metrics, **step_mismatch(logprobs, mb, normalizer)} if measure else metrics)
 
     return loss_fn
 

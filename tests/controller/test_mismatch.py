@@ -2,13 +2,16 @@
 the step's first update, over loss tokens only, logged with decoupled PPO's proximal logprobs."""
 
 import asyncio
+import logging
 import math
 from dataclasses import replace
 
 import pytest
 
 from hpcrl.config.schema import Config
+from hpcrl.controller.batch import to_sequences
 from hpcrl.controller.mismatch import batch_mismatch
+from hpcrl.rollout.workflows.base import Group, Sample
 from hpcrl.rpc.messages import SequenceData
 from tests.controller.test_loop import PolicyTrainers, make_loop, sequence
 
@@ -128,15 +131,27 @@ def test_tis_and_icepop_leave_the_loss_mask_as_it_is(tmp_path):
         assert trainers.masks == [[[0, 1, 1]] * 2] * 2 and "off_policy_masked_frac" not in metrics
 
 
-def test_recompute_trains_on_the_trainers_logprobs_and_measures_the_servers_gap(tmp_path):
+def test_recompute_trains_a_batch_without_server_logprobs_on_the_trainers_and_logs_no_mismatch(tmp_path, caplog):
     cfg = Config()
     cfg.algorithm = replace(cfg.algorithm, behaviour_logprobs="recompute", updates_per_batch=2)
-    trainers = RecordingTrainers()
+    group = Group("p", "a", [5], [Sample([6, 7], None, [0, 0], "stop", reward=r) for r in (0.0, 1.0)])
+    sequences = to_sequences([group] * 2, replace(cfg.algorithm, group_size=2))
+    assert [s.old_logprobs for s in sequences] == [None] * 4, "the servers were asked for none"
+    trainers = RecordingTrainers()  # it reports an in-step mismatch_abs_mean on every update, as a trainer could
     metrics = {}
-    asyncio.run(make_loop(tmp_path, cfg, trainers=trainers)._train_on(
-        batch(), [2, 2], [1.0] * 4, metrics, step=1))  # fmt: skip
-    assert trainers.old_seen == [[-1.0] * 6, [-1.0] * 6], "the policy before the first update, not the servers'"
-    assert metrics["mismatch_abs_mean"] == pytest.approx(0.5), "the servers' -0.5 against the trainer's -1.0"
+    with caplog.at_level(logging.INFO, logger="hpcrl.controller.mismatch"):
+        loop = make_loop(tmp_path, cfg, trainers=trainers)
+    results = asyncio.run(loop._train_on(sequences, [2, 2], [0.0, 1.0] * 2, metrics, step=1))
+    assert trainers.old_seen == [[-1.0] * 6, [-1.0] * 6], "the policy before the first update, for every update"
+    assert not [k for r in [metrics, *results] for k in r if k.startswith("mismatch_")], (metrics, results)
+    [line] = [r.getMessage() for r in caplog.records if "mismatch" in r.getMessage()]
+    assert "behaviour_logprobs=recompute" in line and "not measured" in line
+
+
+def test_with_server_logprobs_no_line_says_the_mismatch_is_unmeasured(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="hpcrl.controller.mismatch"):
+        make_loop(tmp_path, Config(), trainers=RecordingTrainers())
+    assert not [r for r in caplog.records if "mismatch" in r.getMessage()]
 
 
 def test_without_the_trainers_logprobs_the_first_updates_in_step_mismatch_is_kept(tmp_path):

@@ -69,3 +69,14 @@ def test_a_batch_without_behaviour_logprobs_is_refused_naming_the_sequences():
     service = TrainerService(SimpleNamespace(step=0), Config(), rank=0)
     with pytest.raises(ValueError, match=r"sequence\(s\) 0, 1, 2 of this rank's 3 have no old_logprobs"):
         service.train_step(TrainStep(SequenceBatch.pack([SequenceData(**vars(s)) for s in seqs]), 1.0))
+
+
+def test_the_in_step_mismatch_is_measured_against_server_logprobs_only():
+    # under recompute the behaviour logprobs are the trainer's own: a gap to them measures nothing
+    logprobs = torch.tensor([[-9.0, -1.5, -2.0]])  # token 2's logprob moved 0.5 from old_logprobs' -1.0
+    _, server = make_loss_fn(CFG, max_new_tokens=2)(logprobs, batch(), Normalizer(tokens=2, sequences=1))
+    assert float(server["mismatch_abs_mean"]) == pytest.approx(0.25) and float(server["mismatch_abs_max"]) == 0.5
+    recompute = AlgorithmConfig(loss_agg="token_mean", advantage="gae", behaviour_logprobs="recompute")
+    _, metrics = make_loss_fn(recompute, max_new_tokens=2)(logprobs, batch(), Normalizer(tokens=2, sequences=1))
+    assert not [k for k in metrics if k.startswith("mismatch_")], metrics
+    assert metrics and set(metrics) == {k for k in server if not k.startswith("mismatch_")}, "the loss's own stay"

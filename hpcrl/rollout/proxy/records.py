@@ -23,7 +23,7 @@ class Completion:
     order: int  # when it was made, within the episode (0, 1, ...)
     prompt_ids: list[int]  # exactly what was sent to the server
     output_ids: list[int]  # exactly what the server generated (a stop token included)
-    logprobs: list[float]  # of each output token, as the server sampled it
+    logprobs: list[float] | None  # of each output token, as the server sampled it; None: not asked for (recompute)
     versions: list[int]  # the weight version that produced each output token
     finish_reason: str = "stop"  # stop | length | tool_calls
     text: str = ""  # the content the agent received

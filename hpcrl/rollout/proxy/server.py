@@ -15,6 +15,9 @@ through ``SingleTurn.sample``: a weight update's abort is waited out and the cho
 stopped, and a server that aborts every request fails it after ``max_empty_aborts`` tries with no new token
 (``NoProgress``, an inference error: a 502 below). The answer's text is decoded from the generated ids, its
 tool calls parsed from that text; what is recorded for training is the ids, never the text (``records.py``).
+Each choice asks the servers for its tokens' logprobs, which are recorded with them; built with ``logprobs=False``
+(``algorithm.behaviour_logprobs=recompute``) it asks only when the agent's request does (OpenAI's ``logprobs``),
+and records none.
 
 The episode's sampling parameters are the rollout's: a request that leaves one unset gets the episode's; a
 ``temperature`` other than the episode's is refused (the trainer computes logprobs at ``rollout.temperature``,
@@ -92,9 +95,10 @@ class Proxy:
         host: str = "127.0.0.1",  # the loopback address of the run's family
         ports: PortAllocator | None = None,  # this process's slice; None: any free port (tests)
         max_empty_aborts: int = MAX_EMPTY_ABORTS,  # a choice's aborted answers in a row with no token, unpaused
+        logprobs: bool = True,  # record the servers' logprobs; False: ask for them only when the agent does
     ):
         self.client, self.tokenizer, self.chat, self.resumed = client, tokenizer, chat, resumed
-        self.max_empty_aborts = max_empty_aborts
+        self.max_empty_aborts, self.logprobs = max_empty_aborts, logprobs
         self.host, self.ports = host, ports
         self.port = 0
         self.episodes: dict[str, EpisodeLog] = {}
@@ -231,7 +235,7 @@ class Proxy:
         episode.requests += 1
         single = SingleTurn(
             self.client, self.tokenizer, params, 1, None, self.resumed,  # type: ignore[arg-type]
-            max_empty_aborts=self.max_empty_aborts,
+            max_empty_aborts=self.max_empty_aborts, logprobs=self.logprobs or sampling.logprobs,
         )  # fmt: skip
         draws = [single.sample(prompt_ids, episode.request_seed(sampling.seed, request, k)) for k in range(sampling.n)]
         try:
@@ -249,7 +253,8 @@ class Proxy:
             content, calls = self.chat.parse(text, tools, tool_choice)
             finish = "tool_calls" if calls and sample.finish_reason == "stop" else sample.finish_reason
             if not episode.closed:
-                made = Completion(rid, k, 0, list(prompt_ids), sample.output_ids, sample.logprobs, sample.versions)
+                recorded = sample.logprobs if self.logprobs else None
+                made = Completion(rid, k, 0, list(prompt_ids), sample.output_ids, recorded, sample.versions)
                 made.finish_reason, made.text, made.tool_calls = finish, content, len(calls)
                 episode.add(made)
             choices.append(

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hpcrl.rollout.proxy.records import Completion
-from hpcrl.rollout.workflows.base import Sample
+from hpcrl.rollout.workflows.base import Sample, joined_logprobs
 
 
 class MissingReward(ValueError):
@@ -55,7 +55,7 @@ class Trajectory:
 
     tokens: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)  # 1 where the model sampled the token
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[float] | None = field(default_factory=list)  # None once a completion has none
     versions: list[int] = field(default_factory=list)
     completions: list[Completion] = field(default_factory=list)
 
@@ -65,11 +65,11 @@ class Trajectory:
         self.tokens += ids
         if sampled is None:
             self.mask += [0] * n
-            self.logprobs += [0.0] * n
+            self.logprobs = joined_logprobs(self.logprobs, [0.0] * n)
             self.versions += [-1] * n
         else:
             self.mask += [1] * n
-            self.logprobs += sampled.logprobs
+            self.logprobs = joined_logprobs(self.logprobs, sampled.logprobs)
             self.versions += sampled.versions
             self.completions.append(sampled)
 
@@ -107,7 +107,7 @@ def to_sample(t: Trajectory, prompt_len: int, error: str | None = None) -> Sampl
     last = t.completions[-1]
     return Sample(
         output_ids=t.tokens[prompt_len:],
-        logprobs=t.logprobs[prompt_len:],
+        logprobs=None if t.logprobs is None else t.logprobs[prompt_len:],
         versions=t.versions[prompt_len:],
         finish_reason=last.finish_reason,
         text=last.text,

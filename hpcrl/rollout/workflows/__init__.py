@@ -24,7 +24,7 @@ from typing import Any
 from hpcrl.config.schema import Config
 from hpcrl.inference.client import InferenceClient
 from hpcrl.net import PortAllocator
-from hpcrl.rollout.workflows.base import Rewarder, Workflow, sampling_params
+from hpcrl.rollout.workflows.base import Rewarder, Workflow, behaviour_logprobs, sampling_params
 from hpcrl.rollout.workflows.plugin import is_plugin
 from hpcrl.rollout.workflows.single_turn import SingleTurn
 
@@ -42,7 +42,8 @@ def make_workflow(
     host: str = "127.0.0.1",  # a plug-in's proxy: the loopback address of the run's family
     ports: PortAllocator | None = None,  # ... and this process's port slice (None: any free port)
 ) -> Workflow:
-    """The workflow ``cfg.workflow.name`` names, with the rollout's sampling parameters on every request."""
+    """The workflow ``cfg.workflow.name`` names, with the rollout's sampling parameters on every request; it asks the
+    servers for the sampled tokens' logprobs unless ``algorithm.behaviour_logprobs=recompute``."""
     name = cfg.workflow.name
     sampling = sampling_params(cfg.rollout)
     if is_plugin(name):
@@ -52,7 +53,7 @@ def make_workflow(
     if name == "single_turn":
         return SingleTurn(
             client, tokenizer, sampling, cfg.algorithm.group_size, rewards, resumed,
-            max_empty_aborts=cfg.rollout.max_empty_aborts,
+            max_empty_aborts=cfg.rollout.max_empty_aborts, logprobs=behaviour_logprobs(cfg),
         )  # fmt: skip
     if name == "multi_turn":
         from hpcrl.rollout.workflows.multi_turn import MultiTurn
@@ -61,7 +62,7 @@ def make_workflow(
         return MultiTurn(
             client, tokenizer, sampling, cfg.algorithm.group_size, rewards, resumed,
             max_turns=w.max_turns, turn_discount=w.turn_discount, feedback=w.feedback,
-            max_empty_aborts=cfg.rollout.max_empty_aborts,
+            max_empty_aborts=cfg.rollout.max_empty_aborts, logprobs=behaviour_logprobs(cfg),
         )  # fmt: skip
     if name in SCAFFOLDS:
         from hpcrl.rollout.workflows.scaffold import scaffold_workflow

@@ -43,7 +43,7 @@ from hpcrl.reward.registry import to_reward
 from hpcrl.rollout.proxy.records import EpisodeLog
 from hpcrl.rollout.proxy.server import MODEL, Proxy
 from hpcrl.rollout.proxy.trajectories import MissingReward, join, propagate_rewards, shared_prompt, to_sample
-from hpcrl.rollout.workflows.base import EpisodeContext, EpisodeFn, Group, Rewarder, derive_seed
+from hpcrl.rollout.workflows.base import EpisodeContext, EpisodeFn, Group, Rewarder, behaviour_logprobs, derive_seed
 from hpcrl.rollout.workflows.single_turn import MAX_EMPTY_ABORTS
 
 logger = logging.getLogger(__name__)  # (``log`` names an episode's EpisodeLog here)
@@ -79,13 +79,14 @@ class AgentWorkflow:
         ports: PortAllocator | None = None,  # the proxy's port slice
         name: str = "",  # workflow.name, for errors
         max_empty_aborts: int = MAX_EMPTY_ABORTS,  # the proxy's: a choice's aborted answers in a row with no token
+        logprobs: bool = True,  # the proxy records the servers' logprobs; False: it asks for none the agent did not
     ):
         if not 0 < turn_discount <= 1:
             raise ValueError(f"turn_discount must be in (0, 1], got {turn_discount}")
         self.episode, self.client, self.tokenizer, self.chat = episode, client, tokenizer, chat
         self.sampling, self.group_size, self.rewards, self.resumed = dict(sampling), group_size, rewards, resumed
         self.turn_discount, self.host, self.ports, self.name = turn_discount, host, ports, name
-        self.max_empty_aborts = max_empty_aborts
+        self.max_empty_aborts, self.logprobs = max_empty_aborts, logprobs
         self._proxy: Proxy | None = None
         self._pools: list[Any] = []  # httpx clients the episodes' openai clients share (module docstring)
         self._next_pool = 0
@@ -125,7 +126,7 @@ class AgentWorkflow:
 
                 proxy = Proxy(
                     self.client, self.tokenizer, self.chat, self.resumed,
-                    host=self.host, ports=self.ports, max_empty_aborts=self.max_empty_aborts,
+                    host=self.host, ports=self.ports, max_empty_aborts=self.max_empty_aborts, logprobs=self.logprobs,
                 )  # fmt: skip
                 await proxy.start()
                 limits = _pool_limits(openai)
@@ -253,5 +254,5 @@ def agent_workflow(
     return AgentWorkflow(
         resolve(w.name), client, tokenizer, chat, sampling, cfg.algorithm.group_size, rewards, resumed,
         turn_discount=w.turn_discount, host=host, ports=ports, name=w.name,
-        max_empty_aborts=cfg.rollout.max_empty_aborts,
+        max_empty_aborts=cfg.rollout.max_empty_aborts, logprobs=behaviour_logprobs(cfg),
     )  # fmt: skip

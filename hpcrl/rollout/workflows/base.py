@@ -2,7 +2,10 @@
 ``Workflow`` and ``Rewarder`` interfaces, the episode contract of plug-ins (``EpisodeContext``), and the
 sampling parameters every rollout request sends.
 
-Every generated token carries the weight version of the server that produced it (``version_number``).
+Every generated token carries the weight version of the server that produced it (``version_number``), and its
+logprob as the server sampled it; built with ``logprobs=False`` (``algorithm.behaviour_logprobs=recompute``,
+``behaviour_logprobs``) a workflow asks the servers for none (SGLang then computes none) and its samples carry
+``logprobs=None``.
 
 The episode contract. ``workflow.name=module:function`` names an async function that runs one episode of one
 sample against an OpenAI-compatible endpoint; ``module:Class`` a class built once per process (no arguments)
@@ -49,7 +52,9 @@ class Sample:
     tokens put between its turns (feedback, a stage's instructions), which are not trained on."""
 
     output_ids: list[int]
-    logprobs: list[float]  # of each output token, as the server sampled it (tempered); 0.0 for tokens not sampled
+    # of each output token, as the server sampled it (tempered); 0.0 for tokens not sampled; None when the servers
+    # were asked for none (algorithm.behaviour_logprobs=recompute: the trainers compute them)
+    logprobs: list[float] | None
     versions: list[int]  # weight version that produced each output token; -1 for tokens not sampled
     finish_reason: str
     text: str = ""  # what the reward reads (the model's final answer in a multi-turn trajectory)
@@ -117,6 +122,11 @@ class EpisodeContext:
 EpisodeFn = Callable[[EpisodeContext], Awaitable[float | None]]
 
 
+def behaviour_logprobs(cfg: Any) -> bool:
+    """Whether rollout asks the servers for the sampled tokens' logprobs: not when the trainers recompute them."""
+    return cfg.algorithm.behaviour_logprobs != "recompute"
+
+
 def sampling_params(rollout: Any) -> dict[str, Any]:
     """The sampling parameters every rollout request sends, from the config's ``rollout`` section."""
     params = {
@@ -128,6 +138,14 @@ def sampling_params(rollout: Any) -> dict[str, Any]:
     if rollout.stop:
         params["stop"] = list(rollout.stop)
     return params
+
+
+def joined_logprobs(*runs: list[float] | None) -> list[float] | None:
+    """The logprobs of consecutive runs of tokens as one list; None when any run has none (its server was asked for
+    none), so a trajectory never carries logprobs for only some of its sampled tokens."""
+    if any(run is None for run in runs):
+        return None
+    return [lp for run in runs for lp in run]  # type: ignore[union-attr]
 
 
 def version_number(weight_version: Any) -> int:

@@ -9,7 +9,8 @@ tokens other than those it was conditioned on. A trajectory ends after a turn th
 (right), after ``max_turns`` model turns, or when the reward call fails (its error becomes the sample's).
 
 What the trainer gets (``Sample``): every token after the prompt, with loss mask 1 on the model's
-tokens and 0 on the feedback's, whose logprobs are 0.0 and versions -1 (nobody sampled them); the text
+tokens and 0 on the feedback's, whose logprobs are 0.0 (None for the whole sample when the servers were asked for
+none) and versions -1 (nobody sampled them); the text
 of the last model turn, which is what the reward read; and that turn's reward times
 ``turn_discount ** (turns - 1)``, so a right answer is worth more the sooner it comes.
 
@@ -26,7 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hpcrl.inference.client import InferenceClient
-from hpcrl.rollout.workflows.base import Group, Rewarder, Sample, derive_seed
+from hpcrl.rollout.workflows.base import Group, Rewarder, Sample, derive_seed, joined_logprobs
 from hpcrl.rollout.workflows.single_turn import MAX_EMPTY_ABORTS, SingleTurn
 
 log = logging.getLogger(__name__)
@@ -85,13 +86,16 @@ class MultiTurn:
         turn_discount: float,  # the reward's factor per turn after the first
         feedback: str,  # the user turn after a wrong answer
         max_empty_aborts: int = MAX_EMPTY_ABORTS,  # a turn's aborted answers in a row with no token, unpaused, fail it
+        logprobs: bool = True,  # ask the servers for the sampled tokens' logprobs; False: samples carry None
     ):
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         if not 0 < turn_discount <= 1:
             raise ValueError(f"turn_discount must be in (0, 1], got {turn_discount}")
         # generates one turn from a history of ids (its own reward and group size go unused)
-        self.turn = SingleTurn(client, tokenizer, sampling, 1, rewards, resumed, max_empty_aborts=max_empty_aborts)
+        self.turn = SingleTurn(
+            client, tokenizer, sampling, 1, rewards, resumed, max_empty_aborts=max_empty_aborts, logprobs=logprobs
+        )
         self.tokenizer, self.group_size, self.rewards = tokenizer, group_size, rewards
         self.max_turns, self.turn_discount = max_turns, turn_discount
         self.feedback_ids = tuple(feedback_ids(tokenizer, feedback))  # shared by episodes, so immutable
@@ -119,19 +123,19 @@ class MultiTurn:
         """Turns until a right answer, the turn limit or a failed reward; the sample holds them all (its reward parts
         are the last turn's, not discounted)."""
         out: list[int] = []
-        logprobs: list[float] = []
+        logprobs: list[float] | None = []
         versions: list[int] = []
         mask: list[int] = []
         for turns in range(1, self.max_turns + 1):
             if turns > 1:  # the last answer was wrong: the feedback turn, which nobody sampled
                 n = len(self.feedback_ids)
                 out += self.feedback_ids
-                logprobs += [0.0] * n
+                logprobs = joined_logprobs(logprobs, [0.0] * n)
                 versions += [-1] * n
                 mask += [0] * n
             turn = await self.turn.sample(prompt_ids + out, derive_seed(seed, "turn", turns))
             out += turn.output_ids
-            logprobs += turn.logprobs
+            logprobs = joined_logprobs(logprobs, turn.logprobs)
             versions += turn.versions
             mask += [1] * len(turn.output_ids)
             [outcome] = await self.rewards.score([(prompt, turn.text, answer, columns or {})])

@@ -51,7 +51,7 @@ from hpcrl.config.schema import Config, WorkflowConfig
 from hpcrl.inference.client import InferenceClient
 from hpcrl.reward.builtin import extract_answer
 from hpcrl.reward.pool import RewardPool
-from hpcrl.rollout.workflows.base import Group, Rewarder, Sample, derive_seed
+from hpcrl.rollout.workflows.base import Group, Rewarder, Sample, behaviour_logprobs, derive_seed, joined_logprobs
 from hpcrl.rollout.workflows.single_turn import MAX_EMPTY_ABORTS, SingleTurn
 
 __all__ = [
@@ -119,12 +119,13 @@ class Generate:
         sampling: dict[str, Any],
         resumed: asyncio.Event,
         max_empty_aborts: int = MAX_EMPTY_ABORTS,  # aborted answers in a row with no token, unpaused, that fail it
+        logprobs: bool = True,  # ask the servers for the sampled tokens' logprobs; False: samples carry None
     ):
         # SingleTurn's sample loop (resubmit after an abort with the remaining budget, bounded when no token comes)
         # is reused as is; only ``sample`` is called, which scores nothing, so it gets no rewards
         no_rewards: Any = None
         self._single = SingleTurn(
-            client, tokenizer, sampling, 1, no_rewards, resumed, max_empty_aborts=max_empty_aborts
+            client, tokenizer, sampling, 1, no_rewards, resumed, max_empty_aborts=max_empty_aborts, logprobs=logprobs
         )
 
     async def run(self, episode: Episode) -> Result:
@@ -238,7 +239,7 @@ def _join(head: Sample, tail: Sample) -> Sample:
     """``head``'s tokens then ``tail``'s, as one trajectory that ends (finish reason, text) as ``tail`` does."""
     return Sample(
         head.output_ids + tail.output_ids,
-        head.logprobs + tail.logprobs,
+        joined_logprobs(head.logprobs, tail.logprobs),
         head.versions + tail.versions,
         tail.finish_reason,
         tail.text,
@@ -330,6 +331,6 @@ def scaffold_workflow(
         # imported in processes of its own, like a reward: the same registry, timeout and isolation
         pools.append(RewardPool(w.verifier, cfg.reward.workers, cfg.reward.timeout_s).start())
         verifier = pools[0]
-    generate = Generate(client, tokenizer, sampling, resumed, cfg.rollout.max_empty_aborts)
+    generate = Generate(client, tokenizer, sampling, resumed, cfg.rollout.max_empty_aborts, behaviour_logprobs(cfg))
     controller = make_controller(w, generate, tokenizer, verifier)
     return ScaffoldWorkflow(controller, tokenizer, rewards, runs, w.train_on, pools)

@@ -47,6 +47,7 @@ class SingleTurn:
         resumed: asyncio.Event,  # set while generation runs; cleared during a weight update
         *,
         max_empty_aborts: int = MAX_EMPTY_ABORTS,  # aborted answers in a row with no token, unpaused, fail a sample
+        logprobs: bool = True,  # ask the servers for the sampled tokens' logprobs; False: samples carry None
     ):
         if "max_new_tokens" not in sampling:
             raise ValueError("sampling must set max_new_tokens (the server's default of 128 is never wanted)")
@@ -54,7 +55,7 @@ class SingleTurn:
             raise ValueError(f"max_empty_aborts must be >= 1, got {max_empty_aborts}")
         self.client, self.tokenizer, self.sampling = client, tokenizer, sampling
         self.group_size, self.rewards, self.resumed = group_size, rewards, resumed
-        self.max_empty_aborts = max_empty_aborts
+        self.max_empty_aborts, self.logprobs = max_empty_aborts, logprobs
 
     async def run(
         self, prompt: str, answer: str, seed: int | None = None, columns: Mapping[str, Any] | None = None
@@ -74,7 +75,7 @@ class SingleTurn:
         Raises ``NoProgress`` when one came back aborted with no new token ``max_empty_aborts`` times in a row
         while generation was not paused (module docstring)."""
         budget = self.sampling["max_new_tokens"]
-        samples = [Sample([], [], [], "") for _ in seeds]
+        samples = [Sample([], [] if self.logprobs else None, [], "") for _ in seeds]
         empty: list[list[GenerateResult]] = [[] for _ in seeds]  # each sample's answers since its last new token
         pending = list(range(len(seeds)))
         while pending:
@@ -99,8 +100,8 @@ class SingleTurn:
     async def _generate(self, prompts: list[list[int]], params: list[dict[str, Any]]) -> list[Any]:
         """One request for all the prompts: a batch, or a plain request when there is one."""
         if len(prompts) == 1:
-            return [await self.client.generate(prompts[0], params[0])]
-        return await self.client.generate_many(prompts, params)
+            return [await self.client.generate(prompts[0], params[0], return_logprob=self.logprobs)]
+        return await self.client.generate_many(prompts, params, return_logprob=self.logprobs)
 
     def _params(self, budget: int, done: int, seed: int | None) -> dict[str, Any]:
         """The sampling parameters of a request that has ``done`` of its ``budget`` tokens already."""
@@ -127,7 +128,8 @@ class SingleTurn:
 def _extend(sample: Sample, result: Any) -> None:
     """Add one answer's tokens to a sample; its finish reason is the answer's."""
     sample.output_ids += result.output_ids
-    sample.logprobs += result.logprobs
+    if sample.logprobs is not None:  # None: the servers were asked for none
+        sample.logprobs += result.logprobs
     sample.versions += [version_number(result.weight_version)] * len(result.output_ids)
     sample.finish_reason = result.finish_reason
 
