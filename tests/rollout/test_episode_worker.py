@@ -118,7 +118,8 @@ async def until(condition, what: str, check_alive=lambda: None, timeout_s: float
 
 def test_a_group_crosses_the_wire_unchanged():
     sample = Sample([5, 6], [-0.5, -1], [3, -1], "abort", "ab", None, "timed out", [1, 0], 2)
-    group = Group("3+4=", "7", [1, 2, 3], [sample, Sample([7], [0.0], [4], "stop", "c", 1.0)])
+    recomputed = Sample([8], None, [4], "stop", "d", 0.0)  # behaviour_logprobs=recompute: the servers gave none
+    group = Group("3+4=", "7", [1, 2, 3], [sample, Sample([7], [0.0], [4], "stop", "c", 1.0), recomputed])
     assert decode(encode(group)) == group
 
 
