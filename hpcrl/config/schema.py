@@ -157,7 +157,7 @@ class AlgorithmConfig:
     drop_equal_reward_groups: bool = False  # drop groups whose rewards are all equal (DAPO dynamic sampling)
     behavior_weight_cap: float = 0.0  # decoupled objective: cap on the behaviour importance weight; 0 = off
     off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)  # rollout/trainer mismatch correction
-    behaviour_logprobs: str = "server"  # server: as sampled | recompute: the trainer's, before the step's update
+    behaviour_logprobs: str = "server"  # server: as sampled | recompute: the trainer's, pre-update (servers send none)
     std_eps: float = 1e-6  # added to the group's reward std before dividing
     updates_per_batch: int = 2  # the batch is split in this many disjoint minibatches, one optimizer update each
     shuffle_minibatches: bool = False  # minibatches of samples drawn at random (seeded), not of whole groups in order
