@@ -92,7 +92,7 @@ class SequenceData:
     input_ids: list[int]  # prompt + completion token ids
     loss_mask: list[int]  # 1 where the token is trained on (completion), 0 elsewhere; same length
     advantage: float  # the sequence's advantage, broadcast to its tokens
-    old_logprobs: list[float] | None  # behaviour-policy logprob per token (from the inference server)
+    old_logprobs: list[float] | None  # behaviour-policy logprob per token (the server's; the trainer's: recompute)
     prox_logprobs: list[float] | None  # proximal-policy logprob per token (decoupled PPO), if computed
     ref_logprobs: list[float] | None  # reference-model logprob per token, for a KL term
     versions: list[int] | None  # weight version that generated each token; None for prompt-only data

@@ -32,7 +32,7 @@ class Sequence:
     input_ids: list[int]  # prompt + completion token ids, length T >= 2
     loss_mask: list[int]  # length T, aligned with input_ids: 1 where token t carries loss; entry 0 must be 0
     advantage: float = 0.0  # one advantage for the whole sequence
-    old_logprobs: list[float] | None = None  # length T: behaviour policy's logprob of token t (server, tempered)
+    old_logprobs: list[float] | None = None  # length T: behaviour policy's logprob of token t (server or recompute)
     prox_logprobs: list[float] | None = None  # length T: the trainer's policy before this update (decoupled PPO)
     ref_logprobs: list[float] | None = None  # length T: the frozen reference policy (KL penalty)
     versions: list[int] | None = None  # length T: policy version that sampled token t; -1 for prompt tokens

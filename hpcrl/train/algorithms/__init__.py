@@ -26,7 +26,8 @@ quantity the inference server returns -- so trainer and server ratios compare li
 are ``[batch, seq]``; ``mask`` is 1 (True) on generated tokens that carry loss and 0 elsewhere.
 Names of the policies:
 
-- ``old_logprobs``: the behaviour policy, the one that sampled the tokens (as the server reported them).
+- ``old_logprobs``: the behaviour policy, the one that sampled the tokens (as the server reported them, or as the
+  trainer computed them before the step under ``algorithm.behaviour_logprobs=recompute``).
 - ``prox_logprobs``: the proximal policy, the trainer's weights before this update (decoupled PPO only).
 - ``ref_logprobs``: the frozen reference policy of the KL penalty.
 """
