@@ -13,13 +13,16 @@ run has it); ``tis``, ``mis_token``, ``mis_sequence``, ``icepop`` (``algorithm.o
 setting's own defaults for its cap or band).
 
 Per seed: the step of the first evaluation at the target ("-" if none within the budget), the wall time to it,
-the accuracy the job ended with and the steps it ran. The wall time is the sum of the steps' ``time_step_s``
+the accuracy the job ended with, the steps it ran and the mean ``off_policy_masked_frac`` over them (the share of
+loss tokens the masked corrections, ``mis_token`` and ``mis_sequence``, took out; "-" where the metric is absent,
+as for every other correction). The wall time is the sum of the steps' ``time_step_s``
 (rollout wait + train + weight sync) from step 1 through that step: metrics.jsonl has no timestamps, and this
 leaves out start-up and the held-out evaluations (during which the next batch's generation may go on, so the
 step after one waits less). Per cell: the seeds at the target and the median
 step and wall time over all its seeds, a seed that missed the target counting as beyond the budget (so the
-median is "-" when half or more missed). With ``max_staleness > 0`` which weights sample a token depends on
-timing: runs of a seed differ, and the machine's load moves the wall time. ``-- OVERRIDE ...`` goes to every job.
+median is "-" when half or more missed), and the mean masked fraction over all its seeds' steps. With
+``max_staleness > 0`` which weights sample a token depends on timing: runs of a seed differ, and the machine's load
+moves the wall time. ``-- OVERRIDE ...`` goes to every job.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class Outcome:
     wall_s: float | None
     accuracy: float  # held-out accuracy the job ended with (at the target step when it stopped there)
     steps_run: int
+    masked_fracs: tuple[float, ...] = ()  # off_policy_masked_frac of each step that logged it (mis_* corrections)
 
 
 def cell_overrides(task: str, staleness: int, correction: str) -> list[str]:
@@ -80,7 +84,14 @@ def to_target(metrics: Sequence[dict[str, Any]], target: float) -> tuple[int | N
 def outcome(job: JobResult, target: float) -> Outcome:
     step, wall_s = to_target(job.metrics, target)
     accuracy = (job.summary or {}).get("eval_accuracy_after", math.nan)
-    return Outcome(step, wall_s, accuracy, len(job.metrics))
+    masked = tuple(m["off_policy_masked_frac"] for m in job.metrics if "off_policy_masked_frac" in m)
+    return Outcome(step, wall_s, accuracy, len(job.metrics), masked)
+
+
+def mean_masked(outcomes: Sequence[Outcome]) -> float | None:
+    """The mean ``off_policy_masked_frac`` over every step of ``outcomes`` that logged it; None where none did."""
+    values = [v for o in outcomes for v in o.masked_fracs]
+    return sum(values) / len(values) if values else None
 
 
 def censored_median(values: Sequence[float | None]) -> float | None:
@@ -95,15 +106,16 @@ def censored_median(values: Sequence[float | None]) -> float | None:
 
 
 def seed_row(cell: tuple[str, int, str], seed: int, o: Outcome) -> list[Any]:
-    return [*cell, seed, _dash(o.step), _dash(o.wall_s), o.accuracy, o.steps_run]
+    return [*cell, seed, _dash(o.step), _dash(o.wall_s), o.accuracy, o.steps_run, _dash(mean_masked([o]))]
 
 
 def cell_row(cell: tuple[str, int, str], outcomes: Sequence[Outcome]) -> list[Any]:
-    """The cell's summary: seeds at the target (k/n), median step and median wall time (censored_median)."""
+    """The cell's summary: seeds at the target (k/n), median step and median wall time (censored_median), mean
+    masked fraction (mean_masked)."""
     reached = sum(o.step is not None for o in outcomes)
     steps = censored_median([o.step for o in outcomes])
     walls = censored_median([o.wall_s for o in outcomes])
-    return [*cell, f"{reached}/{len(outcomes)}", _dash(steps), _dash(walls)]
+    return [*cell, f"{reached}/{len(outcomes)}", _dash(steps), _dash(walls), _dash(mean_masked(outcomes))]
 
 
 def _dash(value: float | None) -> Any:
@@ -148,9 +160,9 @@ def main() -> None:
     print(f"\nsteps and wall time to held-out accuracy {args.target} (budget {steps} steps, evaluated every "
           f"{EVAL_EVERY}; wall = sum of time_step_s to that step)")  # fmt: skip
     cell = ["task", "max_staleness", "correction"]
-    print(table([*cell, "seed", f"step at {args.target}", "wall s", "accuracy", "steps run"], seed_rows))
+    print(table([*cell, "seed", f"step at {args.target}", "wall s", "accuracy", "steps run", "masked frac"], seed_rows))
     print()
-    print(table([*cell, "seeds at target", "median step", "median wall s"], cell_rows))
+    print(table([*cell, "seeds at target", "median step", "median wall s", "masked frac"], cell_rows))
 
 
 if __name__ == "__main__":
