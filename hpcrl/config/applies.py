@@ -171,7 +171,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         (
             *("train", "algorithm", "allocation.trainer", "allocation.critic", "checkpoint", "export", "recover"),
-            *("metrics", "eval.every_steps", "eval.stop_at_accuracy", "model.critic_path"),
+            *("metrics", "eval.every_steps", "eval.stop_at_accuracy", "model.critic_path", "cluster.hang_timeout_s"),
             *_keys("rollout", "prompts_per_step temperature max_staleness max_rejected_in_a_row workers"),
         ),
         positive("run.max_steps"),
@@ -189,7 +189,7 @@ ALWAYS: dict[str, tuple[str, ...]] = {
     "allocation.server": ("backend", "workers", "gpus_per_worker", "tp_size", "nodes"),  # cpu: tp_size ranks sync
     "allocation.trainer": ("backend", "workers", "gpus_per_worker", "tp_size", "nodes"),  # tp_size: 1 only
     "allocation.critic": ("workers",),
-    "cluster": ("name", "kind", "gpus_per_node", "worker_lease_s", "env"),
+    "cluster": ("name", "kind", "gpus_per_node", "worker_lease_s", "hang_timeout_s", "env"),
     # the controller's job, when it is one (RULES: a key given without its launcher is refused)
     "cluster.controller": (
         *("partition", "account", "qos", "constraint", "extra_sbatch", "time_min", "cpus", "mem_gb"),

@@ -92,6 +92,7 @@ def check_cluster(c: ClusterConfig) -> None:
     require(c.queue_timeout_min >= 0, "cluster.queue_timeout_min", c.queue_timeout_min, "minutes >= 0 (0 = no limit)")
     lease = c.worker_lease_s
     require(lease >= 3, "cluster.worker_lease_s", lease, "seconds >= 3 (the controller renews every lease_s / 6)")
+    require(c.hang_timeout_s > 0, "cluster.hang_timeout_s", c.hang_timeout_s, "seconds > 0")
     require(c.gpus_per_node >= 0, "cluster.gpus_per_node", c.gpus_per_node, "an integer >= 0")
     require(c.cpus_per_node >= 0, "cluster.cpus_per_node", c.cpus_per_node, "an integer >= 0 (0 = unchecked)")
     require(c.time_min >= 1, "cluster.time_min", c.time_min, "minutes >= 1")

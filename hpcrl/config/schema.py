@@ -103,6 +103,7 @@ class ClusterConfig:
     cpus_per_node: int = 0  # CPU cores on one node; 0 = do not check
     queue_timeout_min: int = 0  # slurm: the longest a worker job may wait in the queue; 0 = no limit
     worker_lease_s: float = 30.0  # seconds a worker lives without the controller's heartbeat; silent this long: lost
+    hang_timeout_s: float = 1800.0  # seconds a trainer/critic call may run; past it the run ends with a hang report
     submit_mode: str = "hetjob"  # slurm: hetjob (one het job) | per_role | steps (inside `hpcrl.sbatch hetjob`)
     partition: str = ""  # Slurm partition; "" = the site's default
     account: str = ""  # Slurm account; "" = the user's default
