@@ -12,7 +12,9 @@
 Healthy shutdown: the loop returns, workers are told to stop (trainer and critic ranks get SHUTDOWN_WAIT_S to
 exit on their own), then the scheduler ends what is left.
 Crash shutdown (an exception, Ctrl-C, SIGTERM, a dead worker): the exception unwinds through the
-scheduler's context manager, which ends every worker's process tree; the error names the worker.
+scheduler's context manager, which ends every worker's process tree; the error names the worker. A trainer or
+critic call with no reply within cluster.hang_timeout_s first writes the hang report (``hang.py``: every worker's
+stacks, gathered while they still run) and fails the run naming the rank that did not answer.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 
 from hpcrl.config.load import dump_config
 from hpcrl.config.schema import Config
+from hpcrl.controller.hang import stalled_calls, write_hang_report
 from hpcrl.controller.loop import Loop, Workers
 from hpcrl.controller.metrics import plot
 from hpcrl.controller.preempt import PreemptionGuard
@@ -121,7 +124,13 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
         roles = (server_entries, trainer_entries, rollout_entries, critic_entries)
         addresses = [[e.address for e in entries] for entries in roles]
         rows = (train_rows, eval_rows)
-        summary = asyncio.run(_drive(cfg, run_dir, workers, addresses, token, rows, preempt))
+        try:
+            summary = asyncio.run(_drive(cfg, run_dir, workers, addresses, token, rows, preempt))
+        except Exception as e:  # a call past cluster.hang_timeout_s: every worker's stacks, while they still run
+            if not (stalled := stalled_calls(e)):
+                raise
+            every = [worker for spec in specs for worker in registry.entries(spec.role)]
+            raise write_hang_report(run_dir.path, every, stalled) from e
         # the ranks were told to shut down: torchrun SIGTERMed while they exit would log a traceback, so the
         # scheduler stops only what is still running after this
         for group in (trainers, critics):
@@ -138,11 +147,12 @@ async def _drive(cfg, run_dir, workers, addresses, token, rows, preempt) -> dict
     server_addresses, trainer_addresses, rollout_addresses, critic_addresses = addresses
     tokenizer = load_tokenizer(cfg.model.path)
     pool = workers.servers
+    hang_s = cfg.cluster.hang_timeout_s  # every trainer and critic call's deadline (train/dist.py: the collectives')
     async with (
         InferenceClient(server_addresses, **client_options(cfg)) as client,
-        Trainers(trainer_addresses, token, cfg.rollout.temperature) as trainers,
+        Trainers(trainer_addresses, token, cfg.rollout.temperature, hang_s) as trainers,
         _episodes(rollout_addresses, token, cfg.rollout.max_concurrent) as episodes,
-        _critics(critic_addresses, token) as critics,
+        _critics(critic_addresses, token, hang_s) as critics,
     ):
         workers.client, workers.trainers, workers.episodes, workers.critics = client, trainers, episodes, critics
         loop = Loop(cfg, workers, tokenizer, train_rows, eval_rows, run_dir)
@@ -209,14 +219,14 @@ async def _episodes(addresses: list[str], token: str, max_in_flight: int) -> Asy
 
 
 @contextlib.asynccontextmanager
-async def _critics(addresses: list[str], token: str) -> AsyncIterator[Any]:
+async def _critics(addresses: list[str], token: str, timeout_s: float) -> AsyncIterator[Any]:
     """``Critics`` to the critic's ranks, or None without a critic."""
     if not addresses:
         yield None
         return
     from hpcrl.controller.critics import Critics
 
-    async with Critics(addresses, token) as critics:
+    async with Critics(addresses, token, timeout_s) as critics:
         yield critics
 
 

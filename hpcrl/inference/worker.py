@@ -47,6 +47,7 @@ from hpcrl.launch.lease import Lease
 from hpcrl.launch.process import Child, ChildExited
 from hpcrl.launch.registry import Entry, Registry
 from hpcrl.launch.slots import parse_worker_args, worker_ports
+from hpcrl.launch.stacks import watch_stack_requests
 from hpcrl.logs import setup_logging
 from hpcrl.rpc.auth import read_token
 from hpcrl.rundir import RunDir
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 def serve(cfg: Config, run_dir: RunDir, rank: int, signals: _Signals) -> int:
     """Start, wait for, register and watch one server; returns the worker's exit code."""
     lease = Lease.from_env()  # from the start: loading the model counts against the lease's grace
+    watch_stack_requests(run_dir.path, ROLE, rank)  # a hang report asks for every worker's stacks
     advertised, bind = worker_addresses(cfg.cluster.net)
     port, lease_port, nccl_port = server_ports(cfg)
     alloc = cfg.allocation.server

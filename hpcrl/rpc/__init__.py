@@ -26,6 +26,7 @@ _WHERE = {
     "RemoteError": "errors",
     "RpcConnectionError": "errors",
     "RpcError": "errors",
+    "RpcTimeoutError": "errors",
     "UnknownMethodError": "errors",
     "MESSAGES": "messages",
     "register": "messages",

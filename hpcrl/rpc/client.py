@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from types import TracebackType
 from typing import Any
 
@@ -29,6 +30,7 @@ from hpcrl.rpc.errors import (
     RemoteError,
     RpcConnectionError,
     RpcError,
+    RpcTimeoutError,
     UnknownMethodError,
 )
 from hpcrl.rpc.messages import Ack, ErrorReply, Welcome
@@ -154,7 +156,7 @@ class RpcClient:
 
     async def _one(self, rank: int, method: str, parts: list[Buffer]) -> Any:
         assert self._slots is not None
-        address = self.addresses[rank]
+        address, started = self.addresses[rank], time.time()
         try:
             async with asyncio.timeout(self.timeout_s), self._slots:
                 channel = await self._channel(rank, method)
@@ -162,7 +164,7 @@ class RpcClient:
         except RpcError:
             raise
         except TimeoutError as e:
-            raise RpcConnectionError(rank, address, method, f"no reply within {self.timeout_s} s") from e
+            raise RpcTimeoutError(rank, address, method, started, self.timeout_s) from e
         except OSError as e:  # ConnectionError among them
             raise RpcConnectionError(rank, address, method, f"{type(e).__name__}: {e}") from e
         return self._reply(rank, method, status, body)

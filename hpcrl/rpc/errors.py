@@ -39,6 +39,15 @@ class RpcConnectionError(RpcError):
     """No reply: connection refused or reset, or no reply within the timeout. The call may have run."""
 
 
+class RpcTimeoutError(RpcConnectionError):
+    """No reply within the client's ``timeout_s``: the rank may be stalled (a stuck collective, a stopped process).
+    ``started``: when the call began (``time.time()``); ``timeout_s``: the deadline it missed."""
+
+    def __init__(self, rank: int, address: str, method: str, started: float, timeout_s: float):
+        self.started, self.timeout_s = started, timeout_s
+        super().__init__(rank, address, method, f"no reply within {timeout_s} s")
+
+
 class RemoteError(RpcError):
     """500: the handler raised; ``error_type``, ``message`` and ``traceback`` are the remote exception's."""
 

@@ -22,6 +22,12 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
+# How much longer than the controller's RPC deadline (cluster.hang_timeout_s) a collective may wait. The controller
+# must see a stall first, while every rank is still inside it: then the ranks that are alive answer its stack request
+# from where they wait (a collective) and the one that is stuck or stopped does not, which names it. Were the
+# collectives to time out first, the live ranks would fail with a gloo/NCCL timeout that names no peer reliably (NCCL's
+# watchdog may abort the process), and the controller would blame them. A minute covers the hang report's gathering.
+COLLECTIVE_MARGIN_S = 60.0
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 BACKENDS = ("nccl", "gloo")
 
@@ -84,6 +90,11 @@ def init_distributed(backend: str | None = None, timeout_s: float = 1800.0) -> D
         device,
     )
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, meta_group=meta_group)
+
+
+def collective_timeout_s(hang_timeout_s: float) -> float:
+    """The deadline of every collective of a trainer or critic rank: the controller's RPC deadline and a margin."""
+    return hang_timeout_s + COLLECTIVE_MARGIN_S
 
 
 def _env_int(name: str) -> int:

@@ -50,17 +50,19 @@ def main(argv: list[str] | None = None) -> int:
     from hpcrl.launch.addresses import port_range, worker_addresses
     from hpcrl.launch.registry import Entry, Registry
     from hpcrl.launch.slots import worker_ports
+    from hpcrl.launch.stacks import watch_stack_requests
     from hpcrl.rpc.auth import read_token
     from hpcrl.rpc.server import RpcServer
     from hpcrl.rundir import RunDir
     from hpcrl.train.critic_service import CriticService
-    from hpcrl.train.dist import init_distributed
+    from hpcrl.train.dist import collective_timeout_s, init_distributed
     from hpcrl.train.service import TrainerService
 
     run_dir = RunDir(Path(args.run_dir))
+    watch_stack_requests(run_dir.path, args.role, rank)  # a hang report asks for every rank's stacks
     cfg = load_run_config(run_dir.config_file)
     logging.getLogger().setLevel(cfg.run.log_level)
-    info = init_distributed()
+    info = init_distributed(timeout_s=collective_timeout_s(cfg.cluster.hang_timeout_s))
     try:
         engine = _engine(args.role, cfg, info)
         engine.setup()

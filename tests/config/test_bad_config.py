@@ -27,6 +27,7 @@ CLI_CASES = [
         "allocation.spec='sglang:d4t2+fsdp' is invalid: expected a backend among cpu, sglang, fsdp, critic then ':' "
         "in 'fsdp'",
     ),
+    (["cluster.hang_timeout_s=0"], "cluster.hang_timeout_s=0.0 is invalid: expected seconds > 0"),
     (
         ["cluster.roles.server.setup_timeout_s=-5"],
         "cluster.roles.server.setup_timeout_s=-5.0 is invalid: expected seconds > 0",

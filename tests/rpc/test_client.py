@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hpcrl.net import format_hostport
-from hpcrl.rpc import RemoteError, RpcClient, RpcConnectionError, RpcError
+from hpcrl.rpc import RemoteError, RpcClient, RpcConnectionError, RpcError, RpcTimeoutError
 from hpcrl.rpc.messages import Ack, Echo, Pong
 from tests.rpc.conftest import TOKEN, Counting, assert_same
 
@@ -124,11 +124,14 @@ def test_a_dead_server_is_a_connection_error_within_seconds(serve):
 def test_no_reply_within_the_timeout_is_a_connection_error(serve):
     release = threading.Event()
     _, address = serve({"work": lambda msg: release.wait(30) and msg})
+    called = time.time()
     try:
-        with pytest.raises(RpcConnectionError, match=r"no reply within 0\.5 s"):
+        with pytest.raises(RpcTimeoutError, match=r"no reply within 0\.5 s") as info:
             run([address], "work", [Ack()], timeout_s=0.5)
     finally:
         release.set()
+    assert isinstance(info.value, RpcConnectionError) and info.value.timeout_s == 0.5  # a hang report's facts
+    assert called <= info.value.started <= called + 0.5
 
 
 def test_wrong_number_of_requests_is_refused_before_sending(serve):

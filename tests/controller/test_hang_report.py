@@ -1,0 +1,165 @@
+"""A stalled trainer call ends the run with a hang report naming who did not answer, with every process's stacks.
+
+Unit tests of the naming (``hpcrl/controller/hang.py``) and of the stack requests (``hpcrl/launch/stacks.py``) with
+real processes, one of them stopped; then one job on this machine whose trainer rank 1 is SIGSTOPped mid-run.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from hpcrl.controller.hang import HangError, stalled_calls, summarize, write_hang_report
+from hpcrl.launch.registry import Entry
+from hpcrl.launch.stacks import REQUEST_FILE, Stacks, request_stacks
+from hpcrl.rpc.errors import RemoteError, RpcTimeoutError
+from tests.conftest import REPO
+from tests.controller.test_job import processes_of, wait_for_steps
+
+HANG_S = 15  # cluster.hang_timeout_s of the job below
+
+
+def entry(role: str, rank: int, pid: int = 100, port: int = 5000) -> Entry:
+    return Entry(role, rank, "10.0.0.1", port + rank, pid=pid + rank, node=f"node{rank}")
+
+
+def timeout(e: Entry, started: float = 0.0) -> RpcTimeoutError:
+    return RpcTimeoutError(e.rank, e.address, "train_step", started, 15.0)
+
+
+def test_hang_report_takes_only_calls_that_timed_out():
+    t0, t1 = timeout(entry("trainer", 0)), timeout(entry("trainer", 1))
+    t0.others = [t1, RemoteError(2, "h:1", "train_step", "ValueError", "bad", "")]
+    assert stalled_calls(t0) == [t0, t1]
+    assert stalled_calls(RemoteError(0, "h:1", "train_step", "ValueError", "bad", "")) == []
+    assert stalled_calls(TimeoutError("elsewhere")) == []
+
+
+def test_hang_report_names_first_the_rank_that_answered_nothing(tmp_path):
+    trainers, server = [entry("trainer", 0), entry("trainer", 1)], entry("server", 0, pid=50, port=6000)
+    stacks = [
+        Stacks(trainers[0], True, tmp_path / "stacks" / "trainer-0.txt", "written by the process itself"),
+        Stacks(trainers[1], False, None, "none: not on this host"),
+        Stacks(server, True, tmp_path / "stacks" / "server-0.txt", "written by the process itself"),
+    ]
+    headline, text = summarize([timeout(t, started=86400.0) for t in trainers], stacks, tmp_path)
+    assert headline == (
+        "trainer rank 1 on node node1 (pid 101) did not answer train_step within 15 s (cluster.hang_timeout_s; "
+        "called at 1970-01-02 00:00:00 UTC), nor a request for its stacks"
+    )
+    lines = text.splitlines()
+    assert lines[0] == f"hang report: {headline}"
+    silent, waiting, other = (lines.index(s) for s in [line for line in lines if line.endswith(":")])
+    assert silent < waiting < other
+    assert "trainer rank 1  node node1  pid 101  address 10.0.0.1:5001: no stacks (none: not on this host)" in text
+    assert lines[waiting + 1].startswith("  trainer rank 0  node node0  pid 100  address 10.0.0.1:5000: stacks/")
+    assert lines[other + 1].startswith("  server rank 0  node node0  pid 50  address 10.0.0.1:6000: stacks/server-0")
+
+
+def test_hang_report_says_every_rank_is_alive_when_each_answered(tmp_path):
+    trainers = [entry("trainer", 0), entry("trainer", 1)]
+    stacks = [Stacks(t, True, tmp_path / f"trainer-{t.rank}.txt", "written by the process itself") for t in trainers]
+    headline, _ = summarize([timeout(t) for t in trainers], stacks, tmp_path)
+    assert headline.startswith("trainer rank 0 on node node0 (pid 100); trainer rank 1 on node node1 (pid 101) did ")
+    assert headline.endswith("; each answered a request for its stacks")
+
+
+WATCHER = """
+import sys, time
+from hpcrl.launch.stacks import watch_stack_requests
+watch_stack_requests(sys.argv[1], sys.argv[2], 0, poll_s=0.2)
+def waiting_in_a_collective():
+    time.sleep(120)
+print("watching", flush=True)
+waiting_in_a_collective()
+"""
+
+
+def watcher(run_dir: Path, role: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", WATCHER, str(run_dir), role], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "watching\n"
+    return proc
+
+
+def test_hang_report_gets_live_stacks_from_the_process_and_a_stopped_ones_by_py_spy(tmp_path):
+    (tmp_path / REQUEST_FILE).write_text(json.dumps({"id": "an earlier run's", "dir": str(tmp_path / "old")}))
+    live, stopped = watcher(tmp_path, "trainer"), watcher(tmp_path, "server")
+    here = socket.gethostname()
+    entries = [
+        Entry("trainer", 0, "h", 1, pid=live.pid, node=here),
+        Entry("server", 0, "h", 2, pid=stopped.pid, node=here),
+    ]
+    far = Entry("rollout", 0, "h", 3, pid=1, node="elsewhere")
+    try:
+        time.sleep(0.5)
+        assert not (tmp_path / "old").exists(), "a request left by an earlier run is not answered"
+        os.kill(stopped.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        got = request_stacks(tmp_path, tmp_path / "stacks", [*entries, far], timeout_s=3)
+        took = time.monotonic() - start
+    finally:
+        for proc in (live, stopped):
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+    assert [(s.entry.role, s.answered) for s in got] == [("trainer", True), ("server", False), ("rollout", False)]
+    own = got[0].path.read_text()
+    assert own.startswith(f"pid {live.pid} on {here}") and 'File "<string>", line 6 in waiting_in_a_collective' in own
+    assert got[1].note.startswith("read by py-spy") and "waiting_in_a_collective" in got[1].path.read_text()
+    assert got[2].path is None and got[2].note.startswith("none: not on this host")
+    assert took < 3 + 10 + 2, "every wait has its deadline: the request's, then py-spy's"
+
+
+def test_hang_report_moves_an_earlier_report_aside(tmp_path):
+    (tmp_path / "hang_report").mkdir()
+    (tmp_path / "hang_report" / "summary.txt").write_text("the first hang")
+    error = write_hang_report(tmp_path, [], [timeout(entry("trainer", 0))], stacks_wait_s=0.1)
+    assert isinstance(error, HangError) and error.report == tmp_path / "hang_report" / "summary.txt"
+    assert (tmp_path / "hang_report.1" / "summary.txt").read_text() == "the first hang"
+    assert str(error).endswith(f"; the hang report, with every process's stacks: {error.report}")
+
+
+@pytest.mark.slow
+def test_hang_report_of_a_sigstopped_trainer_rank_names_it_and_ends_the_run(tmp_path):
+    run_dir = tmp_path / "default" / "hang"
+    cmd = [sys.executable, "-m", "hpcrl.main", f"run.root={tmp_path}", "run.trial=hang", "run.max_steps=1000"]
+    cmd += ["eval.stop_at_accuracy=0", "eval.every_steps=0", "allocation.trainer.workers=2"]
+    # a lease longer than the hang timeout: the stopped rank's lease endpoint would otherwise name it first
+    cmd += [f"cluster.hang_timeout_s={HANG_S}", "cluster.worker_lease_s=120"]
+    job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    victim = None
+    try:
+        wait_for_steps(job, run_dir, 1)
+        rank1 = json.loads((run_dir / "registry" / "trainer-1.json").read_text())
+        victim = psutil.Process(rank1["pid"])
+        victim.suspend()  # SIGSTOP
+        stopped = time.monotonic()
+        _, stderr = job.communicate(timeout=HANG_S + 60)
+        took = time.monotonic() - stopped
+        time.sleep(1)
+        left = processes_of(str(run_dir))
+    finally:
+        if job.poll() is None:
+            job.kill()
+        for p in processes_of(str(run_dir)):
+            p.resume()
+            p.kill()
+    assert job.returncode == 1, stderr[-3000:]
+    assert not left, f"no process of the run may be left: {[p.pid for p in left]}"
+    summary = run_dir / "hang_report" / "summary.txt"
+    named = f"trainer rank 1 on node {rank1['node']} (pid {rank1['pid']}) did not answer"
+    assert f"{named} " in stderr and str(summary) in stderr, stderr[-3000:]
+    text = summary.read_text()
+    assert text.startswith(f"hang report: {named} ") and f"within {HANG_S} s" in text
+    stacks = run_dir / "hang_report" / "stacks"
+    for alive in ("trainer-0", "server-0"):
+        assert 'File "' in (stacks / f"{alive}.txt").read_text(), alive
+    assert "hpcrl" in (stacks / "trainer-1.txt").read_text(), "the stopped rank's stacks, read by py-spy"
+    print(f"the run ended {took:.1f} s after rank 1 stopped (hang timeout {HANG_S} s)")
