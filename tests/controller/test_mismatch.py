@@ -13,6 +13,7 @@ from hpcrl.controller.batch import to_sequences
 from hpcrl.controller.mismatch import batch_mismatch
 from hpcrl.rollout.workflows.base import Group, Sample
 from hpcrl.rpc.messages import SequenceData
+from tests.controller.test_job import metrics_of, run_job, summary_of
 from tests.controller.test_loop import PolicyTrainers, make_loop, sequence
 
 
@@ -161,3 +162,16 @@ def test_without_the_trainers_logprobs_the_first_updates_in_step_mismatch_is_kep
         batch(), [2, 2], [1.0] * 4, metrics, step=1))  # fmt: skip
     assert [r.get("mismatch_abs_mean") for r in results] == [1.0, None], "the second update's forward is after one"
     assert "mismatch_abs_mean" not in metrics
+
+
+@pytest.mark.slow
+def test_a_recompute_job_trains_with_real_trainers_on_batches_the_servers_gave_no_logprobs(tmp_path):
+    overrides = ["run.trial=recompute", "run.max_steps=2", "algorithm.behaviour_logprobs=recompute"]
+    summary = summary_of(run_job(tmp_path, *overrides, "eval.every_steps=0", "rollout.prompts_per_step=8"))
+    run_dir = tmp_path / "default" / "recompute"
+    metrics = metrics_of(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2] and summary["steps"] == 2
+    assert all(math.isfinite(m["loss"]) for m in metrics)
+    assert not [k for m in metrics for k in m if k.startswith("mismatch_")], metrics
+    log = (run_dir / "logs" / "controller-0.log").read_text()
+    assert log.count("behaviour_logprobs=recompute: the servers are asked for no logprobs") == 1
