@@ -6,6 +6,7 @@ a bounded time naming the role and the node, every job is cancelled, and a rerun
 The job ids and the nodes are read from the run directory: the controller's log and the workers' registry.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -157,3 +158,46 @@ def wait_idle(nodes: tuple[str, ...], timeout_s: float) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"the nodes are not idle again after {timeout_s} s: {states}")
         time.sleep(1)
+
+
+HANG_S = 20  # cluster.hang_timeout_s of the hang report's run
+
+
+def test_hang_report_of_a_sigstopped_trainer_rank_on_slurm_names_its_node_and_leaves_no_job(
+    slurm_cluster, job_prefix, tmp_path
+):
+    experiment = job_prefix.removeprefix("hpcrl-").rstrip("-")
+    run_dir = tmp_path / experiment / "hang"
+    cmd = [sys.executable, "-m", "hpcrl.main", "cluster=slurm_local", f"run.root={tmp_path}", "run.trial=hang"]
+    cmd += [f"run.experiment={experiment}", "eval.stop_at_accuracy=0", "eval.every_steps=0", "run.max_steps=200"]
+    # a lease longer than the hang timeout: the stopped rank's lease endpoint would otherwise name it first
+    cmd += ["allocation.trainer.workers=2", f"cluster.hang_timeout_s={HANG_S}", "cluster.worker_lease_s=120"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rank1 = None
+    try:
+        wait_for_steps(proc, run_dir, 1)
+        (rank1,) = [e for e in Registry(run_dir / "registry").entries("trainer") if e.rank == 1]
+        os.kill(rank1.pid, signal.SIGSTOP)  # the test cluster's nodes share this host's PIDs
+        stopped = time.monotonic()
+        _, stderr = proc.communicate(timeout=HANG_S + 90)
+        took = time.monotonic() - stopped
+        ids = job_ids(run_dir)
+        gone_after = wait_gone(ids, 60)
+    finally:
+        if rank1 is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank1.pid, signal.SIGCONT)
+                os.kill(rank1.pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, stderr[-3000:]
+    named = f"trainer rank 1 on node {rank1.node} (pid {rank1.pid}) did not answer"
+    summary = run_dir / "hang_report" / "summary.txt"
+    assert f"{named} " in stderr and str(summary) in stderr, stderr[-3000:]
+    text = summary.read_text()
+    assert text.startswith(f"hang report: {named} "), text
+    assert f"pid {rank1.pid}  address {rank1.address}: no stacks (none: not on this host" in text, text
+    (rank0,) = [e for e in Registry(run_dir / "registry").entries("trainer") if e.rank == 0]
+    own = (run_dir / "hang_report" / "stacks" / "trainer-0.txt").read_text()
+    assert own.startswith(f"pid {rank0.pid} on {rank0.node}") and 'File "' in own, own[:500]
+    print(f"the run failed {took:.0f} s after rank 1 stopped; its jobs left the queue {gone_after:.0f} s later")
