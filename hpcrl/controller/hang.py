@@ -1,15 +1,19 @@
-"""The hang report: what a run writes when a trainer or critic call has no reply within ``cluster.hang_timeout_s``.
+"""The hang report: what a run writes when a worker does not answer within its deadline, before the run fails.
+
+Two deadlines count: a trainer or critic call with no reply within ``cluster.hang_timeout_s`` (``stalled_call``),
+and a worker whose lease the controller could not renew for ``cluster.worker_lease_s`` (``lost_worker``: a stopped
+process, a cut-off node).
 
     <run dir>/hang_report/
-        summary.txt                which processes did not answer (role, rank, node, pid, address), the call they
-                                   did not answer and since when, then every other process of the run
+        summary.txt                what went unanswered and by whom (role, rank, node, pid, address), the call
+                                   and when it was made; then every other process of the run
         stacks/<role>-<rank>.txt   each process's Python stacks: its own (faulthandler, ``hpcrl/launch/stacks.py``),
                                    or py-spy's for one on the controller's host that did not answer
 
-The controller's deadline comes before the collectives' (``hpcrl/train/dist.py``), so when it passes every rank
-is still inside the stalled call. Each process is then asked for its stacks: a rank that answers is alive, and its
-stacks show where it waits (a collective, usually); a rank that answers neither the call nor the stack request is
-stopped, or stuck where none of its threads runs: the report and the console line name it first. An earlier
+The controller's call deadline comes before the collectives' (``hpcrl/train/dist.py``), so when it passes every
+rank is still inside the stalled call. Each process is then asked for its stacks: a rank that answers is alive, and
+its stacks show where it waits (a collective, usually); a rank that answers neither the call nor the stack request
+is stopped, or stuck where none of its threads runs: the report and the console line name it first. An earlier
 run's report in the same run directory is moved aside (``hang_report.1``, ...). The run then fails as any failed
 run does: leaving the scheduler's block ends every process and cancels every Slurm job.
 """
@@ -17,61 +21,81 @@ run does: leaving the scheduler's block ends every process and cancels every Slu
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from hpcrl.launch.base import WorkerFailed
 from hpcrl.launch.registry import Entry
 from hpcrl.launch.stacks import Stacks, request_stacks
 from hpcrl.rpc.errors import RpcTimeoutError
 
 REPORT_DIR = "hang_report"  # in the run directory
 SUMMARY_FILE = "summary.txt"
-SILENT = "did not answer the call, nor the stack request (stopped, or stuck where none of its threads runs):"
-WAITING = "did not answer the call, answered the stack request (alive: its stacks show where it waits):"
+SILENT = "answered neither that nor a request for its stacks (stopped, or stuck where none of its threads runs):"
+WAITING = "did not answer that, answered a request for its stacks (alive: its stacks show where it waits):"
 STACKS_WAIT_S = 10.0  # how long the workers get to write their stacks (they look for a request every second)
 
 
 class HangError(RuntimeError):
-    """A call had no reply within its deadline; ``report`` is the hang report's summary file."""
+    """A worker did not answer within its deadline; ``report`` is the hang report's summary file."""
 
-    def __init__(self, message: str, report: Path):
+    def __init__(self, cause: str, report: Path):
         self.report = report
-        super().__init__(message)
+        super().__init__(f"{cause}; the hang report, with every process's stacks: {report}")
 
 
-def stalled_calls(error: BaseException) -> list[RpcTimeoutError]:
-    """The per-rank calls of ``error``'s fan-out that had no reply in time, if ``error`` is such a call; else []."""
+@dataclass(frozen=True)
+class Unanswered:
+    """What went unanswered (a call and its deadline, in words), and the addresses of the workers that did not."""
+
+    what: str
+    addresses: frozenset[str]
+
+
+def stalled_call(error: BaseException) -> Unanswered | None:
+    """The call of ``error``'s fan-out that had no reply in time, from every rank that gave none; None if
+    ``error`` is not such a call."""
     if not isinstance(error, RpcTimeoutError):
-        return []
-    return [error, *(e for e in error.others if isinstance(e, RpcTimeoutError))]
+        return None
+    stalled = [error, *(e for e in error.others if isinstance(e, RpcTimeoutError))]
+    since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(error.started))
+    what = f"{error.method} within {error.timeout_s:g} s (cluster.hang_timeout_s; called at {since})"
+    return Unanswered(what, frozenset(e.address for e in stalled))
+
+
+def lost_worker(error: BaseException, lost: dict[str, dict[int, str]], entries: list[Entry]) -> Unanswered | None:
+    """The worker whose lease the controller could not renew (``lost``: by role, each group's ``WorkerGroup.lost``),
+    if ``error`` is its failure; else None."""
+    if not isinstance(error, WorkerFailed) or error.worker not in lost.get(error.role, {}):
+        return None
+    addresses = frozenset(e.address for e in entries if (e.role, e.rank) == (error.role, error.worker))
+    return Unanswered("the controller's heartbeat (cluster.worker_lease_s)", addresses)
 
 
 def write_hang_report(
-    run_dir: Path, entries: list[Entry], stalled: list[RpcTimeoutError], stacks_wait_s: float = STACKS_WAIT_S
-) -> HangError:
-    """Gather every registered worker's stacks, write the report into ``run_dir``/hang_report and return the
-    error the run fails with: one line naming who did not answer, and where the report is."""
+    run_dir: Path, entries: list[Entry], unanswered: Unanswered, stacks_wait_s: float = STACKS_WAIT_S
+) -> tuple[str, Path]:
+    """Gather every registered worker's stacks, write the report into ``run_dir``/hang_report; (the headline: one
+    line naming who did not answer, the summary file)."""
     out = _fresh_dir(Path(run_dir) / REPORT_DIR)
     stacks = request_stacks(run_dir, out / "stacks", entries, stacks_wait_s)
-    headline, text = summarize(stalled, stacks, out)
+    headline, text = summarize(unanswered, stacks, out)
     summary = out / SUMMARY_FILE
     summary.write_text(text)
-    return HangError(f"{headline}; the hang report, with every process's stacks: {summary}", summary)
+    return headline, summary
 
 
-def summarize(stalled: list[RpcTimeoutError], stacks: list[Stacks], out: Path) -> tuple[str, str]:
-    """(the console's headline, the summary file's text) for the calls in ``stalled`` and what each worker's stack
+def summarize(unanswered: Unanswered, stacks: list[Stacks], out: Path) -> tuple[str, str]:
+    """(the console's headline, the summary file's text) for what went unanswered and what each worker's stack
     request got."""
-    late = {e.address: e for e in stalled}
+    late = unanswered.addresses
     silent = [s for s in stacks if s.entry.address in late and not s.answered]
     waiting = [s for s in stacks if s.entry.address in late and s.answered]
     others = [s for s in stacks if s.entry.address not in late]
-    first = stalled[0]
-    since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(first.started))
-    call = f"{first.method} within {first.timeout_s:g} s (cluster.hang_timeout_s; called at {since})"
     if silent:
-        headline = f"{_names(silent)} did not answer {call}, nor a request for its stacks"
+        headline = f"{_names(silent)} did not answer {unanswered.what}, nor a request for its stacks"
     else:
-        headline = f"{_names(waiting)} did not answer {call}; each answered a request for its stacks"
+        headline = f"{_names(waiting)} did not answer {unanswered.what}; each answered a request for its stacks"
     lines = [f"hang report: {headline}", ""]
     lines += _section(SILENT, silent, out) + _section(WAITING, waiting, out)
     lines += _section("the run's other processes:", others, out)

@@ -13,8 +13,9 @@ Healthy shutdown: the loop returns, workers are told to stop (trainer and critic
 exit on their own), then the scheduler ends what is left.
 Crash shutdown (an exception, Ctrl-C, SIGTERM, a dead worker): the exception unwinds through the
 scheduler's context manager, which ends every worker's process tree; the error names the worker. A trainer or
-critic call with no reply within cluster.hang_timeout_s first writes the hang report (``hang.py``: every worker's
-stacks, gathered while they still run) and fails the run naming the rank that did not answer.
+critic call with no reply within cluster.hang_timeout_s, or a worker whose lease the controller could not renew,
+first writes the hang report (``hang.py``: every worker's stacks, gathered while they still run) and fails the run
+naming the worker that did not answer.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 
 from hpcrl.config.load import dump_config
 from hpcrl.config.schema import Config
-from hpcrl.controller.hang import stalled_calls, write_hang_report
+from hpcrl.controller.hang import HangError, lost_worker, stalled_call, write_hang_report
 from hpcrl.controller.loop import Loop, Workers
 from hpcrl.controller.metrics import plot
 from hpcrl.controller.preempt import PreemptionGuard
@@ -44,7 +45,7 @@ from hpcrl.gc_freeze import freeze_startup_heap
 from hpcrl.inference.client import InferenceClient
 from hpcrl.inference.options import client_options
 from hpcrl.launch.addresses import port_range, worker_addresses
-from hpcrl.launch.base import Scheduler, WorkerGroup
+from hpcrl.launch.base import Scheduler, WorkerFailed, WorkerGroup
 from hpcrl.launch.lease import LeaseKeeper, with_lease
 from hpcrl.launch.local import LocalScheduler
 from hpcrl.launch.registry import Entry, Registry
@@ -126,11 +127,14 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
         rows = (train_rows, eval_rows)
         try:
             summary = asyncio.run(_drive(cfg, run_dir, workers, addresses, token, rows, preempt))
-        except Exception as e:  # a call past cluster.hang_timeout_s: every worker's stacks, while they still run
-            if not (stalled := stalled_calls(e)):
-                raise
+        except Exception as e:  # a worker silent past its deadline: every worker's stacks, while they still run
             every = [worker for spec in specs for worker in registry.entries(spec.role)]
-            raise write_hang_report(run_dir.path, every, stalled) from e
+            lost = {role: group().lost for role, group in groups.items()}
+            if (unanswered := stalled_call(e) or lost_worker(e, lost, every)) is None:
+                raise
+            headline, report = write_hang_report(run_dir.path, every, unanswered)
+            cause = f"{e.role} worker {e.worker} {e.state}" if isinstance(e, WorkerFailed) else headline
+            raise HangError(cause, report) from e
         # the ranks were told to shut down: torchrun SIGTERMed while they exit would log a traceback, so the
         # scheduler stops only what is still running after this
         for group in (trainers, critics):

@@ -16,7 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hpcrl.controller.hang import HangError, stalled_calls, summarize, write_hang_report
+from hpcrl.controller.hang import HangError, Unanswered, lost_worker, stalled_call, summarize, write_hang_report
+from hpcrl.launch.base import WorkerFailed
 from hpcrl.launch.registry import Entry
 from hpcrl.launch.stacks import REQUEST_FILE, Stacks, request_stacks
 from hpcrl.rpc.errors import RemoteError, RpcTimeoutError
@@ -35,11 +36,27 @@ def timeout(e: Entry, started: float = 0.0) -> RpcTimeoutError:
 
 
 def test_hang_report_takes_only_calls_that_timed_out():
-    t0, t1 = timeout(entry("trainer", 0)), timeout(entry("trainer", 1))
+    t0, t1 = timeout(entry("trainer", 0), started=86400.0), timeout(entry("trainer", 1))
     t0.others = [t1, RemoteError(2, "h:1", "train_step", "ValueError", "bad", "")]
-    assert stalled_calls(t0) == [t0, t1]
-    assert stalled_calls(RemoteError(0, "h:1", "train_step", "ValueError", "bad", "")) == []
-    assert stalled_calls(TimeoutError("elsewhere")) == []
+    what = "train_step within 15 s (cluster.hang_timeout_s; called at 1970-01-02 00:00:00 UTC)"
+    assert stalled_call(t0) == Unanswered(what, frozenset({"10.0.0.1:5000", "10.0.0.1:5001"}))
+    assert stalled_call(RemoteError(0, "h:1", "train_step", "ValueError", "bad", "")) is None
+    assert stalled_call(TimeoutError("elsewhere")) is None
+
+
+def test_hang_report_takes_a_worker_failure_only_when_its_lease_was_lost():
+    entries = [entry("trainer", 0), entry("trainer", 1)]
+    lost = {"trainer": {1: "on node node1 (10.0.0.1:5001) has not answered the controller for 30 s"}}
+    silent = WorkerFailed("trainer", 1, lost["trainer"][1], "")
+    heartbeat = "the controller's heartbeat (cluster.worker_lease_s)"
+    assert lost_worker(silent, lost, entries) == Unanswered(heartbeat, frozenset({"10.0.0.1:5001"}))
+    assert lost_worker(WorkerFailed("trainer", 0, -9, ""), lost, entries) is None, "it died: no hang"
+    assert lost_worker(WorkerFailed("server", 1, "FAILED", ""), lost, entries) is None
+
+
+CALL = Unanswered(
+    "train_step within 15 s (cluster.hang_timeout_s; called at ...)", frozenset({"10.0.0.1:5000", "10.0.0.1:5001"})
+)
 
 
 def test_hang_report_names_first_the_rank_that_answered_nothing(tmp_path):
@@ -49,10 +66,10 @@ def test_hang_report_names_first_the_rank_that_answered_nothing(tmp_path):
         Stacks(trainers[1], False, None, "none: not on this host"),
         Stacks(server, True, tmp_path / "stacks" / "server-0.txt", "written by the process itself"),
     ]
-    headline, text = summarize([timeout(t, started=86400.0) for t in trainers], stacks, tmp_path)
+    headline, text = summarize(CALL, stacks, tmp_path)
     assert headline == (
         "trainer rank 1 on node node1 (pid 101) did not answer train_step within 15 s (cluster.hang_timeout_s; "
-        "called at 1970-01-02 00:00:00 UTC), nor a request for its stacks"
+        "called at ...), nor a request for its stacks"
     )
     lines = text.splitlines()
     assert lines[0] == f"hang report: {headline}"
@@ -66,7 +83,7 @@ def test_hang_report_names_first_the_rank_that_answered_nothing(tmp_path):
 def test_hang_report_says_every_rank_is_alive_when_each_answered(tmp_path):
     trainers = [entry("trainer", 0), entry("trainer", 1)]
     stacks = [Stacks(t, True, tmp_path / f"trainer-{t.rank}.txt", "written by the process itself") for t in trainers]
-    headline, _ = summarize([timeout(t) for t in trainers], stacks, tmp_path)
+    headline, _ = summarize(CALL, stacks, tmp_path)
     assert headline.startswith("trainer rank 0 on node node0 (pid 100); trainer rank 1 on node node1 (pid 101) did ")
     assert headline.endswith("; each answered a request for its stacks")
 
@@ -120,10 +137,11 @@ def test_hang_report_gets_live_stacks_from_the_process_and_a_stopped_ones_by_py_
 def test_hang_report_moves_an_earlier_report_aside(tmp_path):
     (tmp_path / "hang_report").mkdir()
     (tmp_path / "hang_report" / "summary.txt").write_text("the first hang")
-    error = write_hang_report(tmp_path, [], [timeout(entry("trainer", 0))], stacks_wait_s=0.1)
-    assert isinstance(error, HangError) and error.report == tmp_path / "hang_report" / "summary.txt"
+    headline, summary = write_hang_report(tmp_path, [], CALL, stacks_wait_s=0.1)
+    assert summary == tmp_path / "hang_report" / "summary.txt" and summary.read_text().startswith("hang report: ")
     assert (tmp_path / "hang_report.1" / "summary.txt").read_text() == "the first hang"
-    assert str(error).endswith(f"; the hang report, with every process's stacks: {error.report}")
+    error = HangError(headline, summary)
+    assert str(error) == f"{headline}; the hang report, with every process's stacks: {summary}"
 
 
 @pytest.mark.slow
