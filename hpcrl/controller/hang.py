@@ -31,7 +31,8 @@ from hpcrl.rpc.errors import RpcTimeoutError
 
 REPORT_DIR = "hang_report"  # in the run directory
 SUMMARY_FILE = "summary.txt"
-SILENT = "answered neither that nor a request for its stacks (stopped, or stuck where none of its threads runs):"
+# a worker on a node cut off from the network may also have ended itself by then (its own lease ran out)
+SILENT = "answered neither that nor a request for its stacks (stopped, stuck where none of its threads runs, or gone):"
 WAITING = "did not answer that, answered a request for its stacks (alive: its stacks show where it waits):"
 STACKS_WAIT_S = 10.0  # how long the workers get to write their stacks (they look for a request every second)
 
@@ -66,9 +67,13 @@ def stalled_call(error: BaseException) -> Unanswered | None:
 def lost_worker(error: BaseException, lost: dict[str, dict[int, str]], entries: list[Entry]) -> Unanswered | None:
     """The worker whose lease the controller could not renew (``lost``: by role, each group's ``WorkerGroup.lost``),
     if ``error`` is its failure; else None."""
-    if not isinstance(error, WorkerFailed) or error.worker not in lost.get(error.role, {}):
+    if not isinstance(error, WorkerFailed):
         return None
-    addresses = frozenset(e.address for e in entries if (e.role, e.rank) == (error.role, error.worker))
+    # the reason the lease keeper gave is the failure's state (a local worker's), or part of it (a Slurm job's)
+    ranks = {rank for rank, why in lost.get(error.role, {}).items() if why in str(error.state)}
+    if not ranks:
+        return None
+    addresses = frozenset(e.address for e in entries if e.role == error.role and e.rank in ranks)
     return Unanswered("the controller's heartbeat (cluster.worker_lease_s)", addresses)
 
 

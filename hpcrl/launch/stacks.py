@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -32,6 +33,7 @@ from pathlib import Path
 from hpcrl.launch.registry import Entry
 from hpcrl.rundir import write_atomic
 
+log = logging.getLogger(__name__)
 REQUEST_FILE = "stacks.request"  # in the run directory
 POLL_S = 1.0  # how often a worker looks for a request: one stat a second on the shared filesystem
 PY_SPY_TIMEOUT_S = 10.0  # py-spy's deadline for one process
@@ -53,9 +55,13 @@ def watch_stack_requests(run_dir: Path, role: str, rank: int, poll_s: float = PO
         while True:
             time.sleep(poll_s)
             asked = _request(request)
-            if asked.get("id") not in answered:
-                answered.add(asked["id"])
+            if asked.get("id") in answered or "dir" not in asked:
+                continue
+            answered.add(asked["id"])
+            try:
                 _dump(Path(asked["dir"]) / f"{role}-{rank}.txt")
+            except OSError as e:  # the report says this worker did not answer; the next request may work
+                log.warning("could not write this process's stacks for a hang report: %s", e)
 
     thread = threading.Thread(target=watch, name="stack-requests", daemon=True)
     thread.start()

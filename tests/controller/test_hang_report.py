@@ -50,6 +50,8 @@ def test_hang_report_takes_a_worker_failure_only_when_its_lease_was_lost():
     silent = WorkerFailed("trainer", 1, lost["trainer"][1], "")
     heartbeat = "the controller's heartbeat (cluster.worker_lease_s)"
     assert lost_worker(silent, lost, entries) == Unanswered(heartbeat, frozenset({"10.0.0.1:5001"}))
+    on_slurm = WorkerFailed("trainer", "job 7", f"RUNNING, but its worker 1 {lost['trainer'][1]}", "")
+    assert lost_worker(on_slurm, lost, entries) == Unanswered(heartbeat, frozenset({"10.0.0.1:5001"}))
     assert lost_worker(WorkerFailed("trainer", 0, -9, ""), lost, entries) is None, "it died: no hang"
     assert lost_worker(WorkerFailed("server", 1, "FAILED", ""), lost, entries) is None
 

@@ -120,6 +120,8 @@ def test_a_node_cut_off_mid_run_fails_the_run_naming_it_cancels_every_job_and_th
         assert proc.returncode == 1, stderr[-3000:]
         message = re.search(r"trainer worker \d+ on node (\S+) \((\S+)\) has not answered the controller", stderr)
         assert message and message[1] == node, stderr[-3000:]
+        report = (run_dir / "hang_report" / "summary.txt").read_text()  # written before the run failed
+        assert report.startswith(f"hang report: trainer rank 0 on node {node} ") and "heartbeat" in report, report
         ids = job_ids(run_dir)
         gone_after = wait_gone(ids, SLURMD_TIMEOUT_S + 90)  # the cut node's job goes once Slurm calls it DOWN
     finally:
