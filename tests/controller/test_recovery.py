@@ -193,6 +193,19 @@ def test_a_newest_checkpoint_with_a_part_missing_or_cut_short_gives_way_to_the_o
     assert checkpoints.remove_incomplete() == [], "a set-aside checkpoint is not an interrupted save"
 
 
+def test_when_no_checkpoint_is_usable_the_run_starts_fresh_and_each_is_set_aside(tmp_path, caplog, save):
+    checkpoints = Checkpoints(tmp_path, keep=2)
+    save(checkpoints, 2)
+    save(checkpoints, 4)
+    _cut_in_half(_tensor_file(checkpoints.step_dir(4)))  # a node crash before the data reached the disk
+    _delete(checkpoints.step_dir(2) / STATE_FILE)  # and the older one lost its state
+    with caplog.at_level(logging.WARNING):
+        assert list(resume_candidates("auto", checkpoints)) == []
+    assert "checkpoint step_000004 cannot be resumed from: the tensor file __0_0.distcp is cut short" in caplog.text
+    assert "checkpoint step_000002 cannot be resumed from: trainer_state.json is missing" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000002.broken", "step_000004.broken"]
+
+
 def test_an_older_checkpoint_is_only_checked_when_the_newer_fails(tmp_path, save):
     checked = []
     checkpoints = Checkpoints(tmp_path, check_trainers=lambda path: checked.append(path.name))
