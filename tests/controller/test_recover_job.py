@@ -21,10 +21,11 @@ from tests.conftest import REPO
 from tests.controller.test_job import metrics_of, processes_of, run_job, summary_of
 
 # a step of 8 prompts takes 0.1-0.2 s here, so a kill up to 1 s after its step may land up to ~8 steps later: the
-# budget leaves room for three such kills and the rerun to go on past them
+# budget leaves room for such kills and the rerun to go on past them
 MAX_STEPS, EVERY = 40, 2
 SMALL = [f"checkpoint.every_steps={EVERY}", "recover.mode=auto", "eval.stop_at_accuracy=0", "eval.every_steps=0"]
 SMALL += ["rollout.prompts_per_step=8"]
+KILLS = 2  # SIGKILLs at random moments, each rerun resuming; then one Ctrl-C and the printed command
 
 
 def steps_logged(run_dir) -> list[int]:
@@ -125,7 +126,7 @@ def test_a_run_killed_at_random_steps_resumes_to_its_budget(tmp_path):
     rng = random.Random(seed)
     trial, run_dir = "killed", tmp_path / "default" / "killed"
     expected_start, logged = 0, 0  # the step the next attempt resumes from; the last step logged before the kill
-    for attempt in range(3):
+    for attempt in range(KILLS):
         kill_after = logged + rng.randint(1, 2)  # past anything the killed attempt logged: this attempt's own step
         delay_s = None if rng.random() < 0.5 else round(rng.uniform(0, 1.0), 2)
         moment = "while a checkpoint is written" if delay_s is None else f"{delay_s} s"
@@ -139,7 +140,7 @@ def test_a_run_killed_at_random_steps_resumes_to_its_budget(tmp_path):
         # steps (CI's seed 56332 landed there); a skipped complete checkpoint would lose more
         assert logged - expected_start <= EVERY, "the kill lost more steps than one checkpoint interval"
 
-    # a fourth attempt is interrupted as a terminal's Ctrl-C does it; the command it prints resumes the run to the end
+    # one more attempt is interrupted as a terminal's Ctrl-C does it; the command it prints resumes the run to the end
     command = ctrl_c_after_a_step(tmp_path, trial, tmp_path / "interrupted.err")
     expected_start = newest_complete_checkpoint(run_dir)
     assert "recover.mode=auto" in command and f"run.trial={trial}" in command, command
