@@ -8,7 +8,8 @@ process, a cut-off node).
         summary.txt                what went unanswered and by whom (role, rank, node, pid, address), the call
                                    and when it was made; then every other process of the run
         stacks/<role>-<rank>.txt   each process's Python stacks: its own (faulthandler, ``hpcrl/launch/stacks.py``),
-                                   or py-spy's for one on the controller's host that did not answer
+                                   or py-spy's for one that did not answer: run here for one on the controller's
+                                   host, through srun inside its own Slurm job for one on another node
 
 The controller's call deadline comes before the collectives' (``hpcrl/train/dist.py``), so when it passes every
 rank is still inside the stalled call. Each process is then asked for its stacks: a rank that answers is alive, and
@@ -23,11 +24,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hpcrl.launch.base import WorkerFailed
+from hpcrl.launch.base import WorkerFailed, WorkerGroup
 from hpcrl.launch.registry import Entry
 from hpcrl.launch.stacks import Stacks, request_stacks
 from hpcrl.rpc.errors import RpcTimeoutError
+
+if TYPE_CHECKING:  # for its type only: importing hpcrl.launch.slurm loads submitit, of no use to a local run
+    from hpcrl.launch.slurm.watch import JobRef
 
 REPORT_DIR = "hang_report"  # in the run directory
 SUMMARY_FILE = "summary.txt"
@@ -78,12 +83,16 @@ def lost_worker(error: BaseException, lost: dict[str, dict[int, str]], entries: 
 
 
 def write_hang_report(
-    run_dir: Path, entries: list[Entry], unanswered: Unanswered, stacks_wait_s: float = STACKS_WAIT_S
+    run_dir: Path,
+    entries: list[Entry],
+    unanswered: Unanswered,
+    stacks_wait_s: float = STACKS_WAIT_S,
+    jobs: dict[str, JobRef] | None = None,
 ) -> tuple[str, Path]:
     """Gather every registered worker's stacks, write the report into ``run_dir``/hang_report; (the headline: one
-    line naming who did not answer, the summary file)."""
+    line naming who did not answer, the summary file). ``jobs``: each role's Slurm job, if it runs as one."""
     out = _fresh_dir(Path(run_dir) / REPORT_DIR)
-    stacks = request_stacks(run_dir, out / "stacks", entries, stacks_wait_s)
+    stacks = request_stacks(run_dir, out / "stacks", entries, stacks_wait_s, jobs)
     headline, text = summarize(unanswered, stacks, out)
     summary = out / SUMMARY_FILE
     summary.write_text(text)
@@ -105,6 +114,12 @@ def summarize(unanswered: Unanswered, stacks: list[Stacks], out: Path) -> tuple[
     lines += _section(SILENT, silent, out) + _section(WAITING, waiting, out)
     lines += _section("the run's other processes:", others, out)
     return headline, "\n".join(lines) + "\n"
+
+
+def slurm_jobs(groups: list[WorkerGroup]) -> dict[str, JobRef]:
+    """The Slurm job of each role that runs as one (a local group has none); of a role's groups the last wins (the
+    servers' group now, after a restart)."""
+    return {g.role: job for g in groups if (job := getattr(g, "job", None)) is not None}
 
 
 def _names(stacks: list[Stacks]) -> str:

@@ -32,7 +32,7 @@ from typing import Any
 
 from hpcrl.config.load import dump_config
 from hpcrl.config.schema import Config
-from hpcrl.controller.hang import HangError, lost_worker, stalled_call, write_hang_report
+from hpcrl.controller.hang import HangError, lost_worker, slurm_jobs, stalled_call, write_hang_report
 from hpcrl.controller.loop import Loop, Workers
 from hpcrl.controller.metrics import plot
 from hpcrl.controller.preempt import PreemptionGuard
@@ -132,7 +132,8 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
             lost = {role: group().lost for role, group in groups.items()}
             if (unanswered := stalled_call(e) or lost_worker(e, lost, every)) is None:
                 raise
-            headline, report = write_hang_report(run_dir.path, every, unanswered)
+            jobs = slurm_jobs([*started.values(), *(group() for group in groups.values())])
+            headline, report = write_hang_report(run_dir.path, every, unanswered, jobs=jobs)
             cause = f"{e.role} worker {e.worker} {e.state}" if isinstance(e, WorkerFailed) else headline
             raise HangError(cause, report) from e
         # the ranks were told to shut down: torchrun SIGTERMed while they exit would log a traceback, so the

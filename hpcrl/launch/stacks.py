@@ -2,12 +2,14 @@
 
     worker:     watch_stack_requests(run_dir, role, rank) at start: a daemon thread polls
                 <run dir>/stacks.request every POLL_S; on a request id it has not answered, faulthandler writes
-                every thread's stack to <its dir>/<role>-<rank>.txt (a temporary file, then renamed: a reader never
-                sees half of it)
-    controller: request_stacks(run_dir, out_dir, entries, timeout_s): writes the request, waits until timeout_s
-                for each registered worker's file; for a worker that wrote none and runs on this host,
+                every thread's stack to <its dir>/<role>-<rank>.txt (a temporary file, then linked there: a reader
+                never sees half of it, and a late answer never replaces stacks py-spy read)
+    controller: request_stacks(run_dir, out_dir, entries, timeout_s, jobs): writes the request, waits until
+                timeout_s for each registered worker's file; for a worker that wrote none,
                 ``py-spy dump --nonblocking --pid P`` (it reads the process's memory and never stops it, so it
-                reads a stopped process too), each with a deadline of its own
+                reads a stopped process too): here if it runs on this host, else on its node inside its own Slurm
+                job (``jobs``: by role), as ``srun --jobid=J [--het-group=K] --overlap --nodelist=NODE --nodes=1
+                --ntasks=1 py-spy ...``; each with a deadline of its own, past which it is killed by PID
 
 Why a file in the run directory rather than a signal: on Slurm the workers run on other nodes, out of the
 controller's reach, and the run directory is on a filesystem every node shares. A process whose threads cannot
@@ -29,14 +31,20 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpcrl.launch.registry import Entry
 from hpcrl.rundir import write_atomic
+
+if TYPE_CHECKING:  # for its type only: importing hpcrl.launch.slurm loads submitit, of no use to a worker
+    from hpcrl.launch.slurm.watch import JobRef
 
 log = logging.getLogger(__name__)
 REQUEST_FILE = "stacks.request"  # in the run directory
 POLL_S = 1.0  # how often a worker looks for a request: one stat a second on the shared filesystem
 PY_SPY_TIMEOUT_S = 10.0  # py-spy's deadline for one process
+SRUN_PY_SPY_TIMEOUT_S = 30.0  # srun's: a job step to start on the node (slurmctld may be busy), then py-spy
+SRUN_STOP_S = 5.0  # how long a late srun gets to end its step after SIGTERM, before SIGKILL
 
 
 def stack_file(out_dir: Path, entry: Entry) -> Path:
@@ -76,14 +84,20 @@ def _request(path: Path) -> dict:
 
 
 def _dump(path: Path) -> None:
-    """Every thread's stack, as faulthandler writes it, into ``path`` (renamed into place when complete)."""
+    """Every thread's stack, as faulthandler writes it, into ``path`` (linked into place when complete,
+    unless py-spy's are there already)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}")
     with partial.open("w") as f:
         f.write(f"pid {os.getpid()} on {socket.gethostname()}, answering at {time.strftime('%H:%M:%S')}\n")
         f.flush()
         faulthandler.dump_traceback(f, all_threads=True)
-    partial.replace(path)
+    try:  # never over py-spy's: a process stopped past the deadline answers once resumed (Slurm's SIGCONT, SIGTERM)
+        os.link(partial, path)
+    except FileExistsError:
+        log.info("a hang report already has this process's stacks (%s): not replacing them", path)
+    finally:
+        partial.unlink()
 
 
 # --- the controller's side --------------------------------------------------------------------------------
@@ -99,8 +113,11 @@ class Stacks:
     note: str  # how they were taken, or why none were
 
 
-def request_stacks(run_dir: Path, out_dir: Path, entries: list[Entry], timeout_s: float) -> list[Stacks]:
-    """Ask every worker in ``entries`` for its stacks into ``out_dir``; what each did, in the order given."""
+def request_stacks(
+    run_dir: Path, out_dir: Path, entries: list[Entry], timeout_s: float, jobs: dict[str, JobRef] | None = None
+) -> list[Stacks]:
+    """Ask every worker in ``entries`` for its stacks into ``out_dir``; what each did, in the order given. ``jobs``:
+    the Slurm job of each role run as one, where py-spy reads a silent worker on another node."""
     out_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(Path(run_dir) / REQUEST_FILE, json.dumps({"id": secrets.token_hex(8), "dir": str(out_dir)}))
     deadline = time.monotonic() + timeout_s
@@ -108,8 +125,9 @@ def request_stacks(run_dir: Path, out_dir: Path, entries: list[Entry], timeout_s
     while waiting and time.monotonic() < deadline:
         time.sleep(0.2)
         waiting = [e for e in waiting if not stack_file(out_dir, e).exists()]
-    here = socket.gethostname()
-    spied = _py_spy_all([e for e in waiting if e.node == here], out_dir)
+    here, jobs = socket.gethostname(), jobs or {}
+    spied = _py_spy_all([e for e in waiting if e.node == here or e.role in jobs], out_dir, here, jobs)
+    (Path(run_dir) / REQUEST_FILE).unlink(missing_ok=True)  # answered or not, too late for this report
     found = []
     for entry in entries:
         if entry not in waiting:
@@ -121,32 +139,72 @@ def request_stacks(run_dir: Path, out_dir: Path, entries: list[Entry], timeout_s
     return found
 
 
-def _py_spy_all(entries: list[Entry], out_dir: Path) -> dict[tuple[str, int], tuple[Path | None, str]]:
-    """``py-spy dump`` of each process at once, all within PY_SPY_TIMEOUT_S: by (role, rank), its stacks' file
-    (None if py-spy got none) and a note saying how they were taken or why none were."""
+def srun_argv(job: JobRef, node: str, argv: list[str]) -> list[str]:
+    """``argv`` as one task on ``node`` inside ``job``'s allocation, beside its running steps (``--overlap``: it
+    needs none of their CPUs or memory)."""
+    component = [] if job.component is None else [f"--het-group={job.component}"]
+    where = [f"--nodelist={node}", "--nodes=1", "--ntasks=1"]
+    return ["srun", f"--jobid={job.job_id}", *component, "--overlap", *where, "--quiet", *argv]
+
+
+def _py_spy_all(
+    entries: list[Entry], out_dir: Path, here: str, jobs: dict[str, JobRef]
+) -> dict[tuple[str, int], tuple[Path | None, str]]:
+    """``py-spy dump`` of each process at once, here or through srun on its node, each within its deadline: by
+    (role, rank), its stacks' file (None if py-spy got none) and a note saying how they were taken or why none
+    were."""
     exe = _py_spy()
     if exe is None:
         return {(e.role, e.rank): (None, "none: py-spy is not installed here") for e in entries}
-    cmds = {(e.role, e.rank): [exe, "dump", "--nonblocking", "--pid", str(e.pid)] for e in entries}
-    running = {key: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-               for key, cmd in cmds.items()}  # fmt: skip
-    deadline = time.monotonic() + PY_SPY_TIMEOUT_S
-    return {(e.role, e.rank): _py_spy_result(running[e.role, e.rank], deadline, stack_file(out_dir, e))
-            for e in entries}  # fmt: skip
+    found: dict[tuple[str, int], tuple[Path | None, str]] = {}
+    running = {}
+    for e in entries:
+        dump = [exe, "dump", "--nonblocking", "--pid", str(e.pid)]
+        remote = e.node != here
+        if remote and shutil.which("srun") is None:
+            found[e.role, e.rank] = (None, "none: not on this host, and srun is not installed here")
+            continue
+        argv = srun_argv(jobs[e.role], e.node, dump) if remote else dump
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        running[e.role, e.rank] = (proc, remote)
+    start = time.monotonic()
+    for e in entries:
+        if (e.role, e.rank) in running:
+            proc, remote = running[e.role, e.rank]
+            limit_s = SRUN_PY_SPY_TIMEOUT_S if remote else PY_SPY_TIMEOUT_S
+            found[e.role, e.rank] = _py_spy_result(proc, start + limit_s, limit_s, remote, stack_file(out_dir, e))
+    return found
 
 
-def _py_spy_result(proc: subprocess.Popen, deadline: float, path: Path) -> tuple[Path | None, str]:
+def _py_spy_result(
+    proc: subprocess.Popen, deadline: float, limit_s: float, remote: bool, path: Path
+) -> tuple[Path | None, str]:
+    how = "py-spy through srun" if remote else "py-spy"
     try:
         out, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        return None, f"none: py-spy read nothing within {PY_SPY_TIMEOUT_S:g} s"
+        _end(proc, remote)
+        return None, f"none: {how} read nothing within {limit_s:g} s"
     if proc.returncode != 0:
         last = (out.strip().splitlines() or ["no output"])[-1]
-        return None, f"none: py-spy failed ({last})"
+        return None, f"none: {how} failed ({last})"
     path.write_text(out)
+    if remote:
+        return path, "read by py-spy (dump --nonblocking) on its node, through srun: the process did not answer itself"
     return path, "read by py-spy (dump --nonblocking): the process did not answer itself"
+
+
+def _end(proc: subprocess.Popen, remote: bool) -> None:
+    """End a late py-spy, or srun: SIGTERM first, on which srun ends its step's task on the node, then SIGKILL."""
+    if remote:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=SRUN_STOP_S)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    proc.kill()
+    proc.communicate()
 
 
 def _py_spy() -> str | None:

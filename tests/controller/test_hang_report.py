@@ -17,9 +17,11 @@ import psutil
 import pytest
 
 from hpcrl.controller.hang import HangError, Unanswered, lost_worker, stalled_call, summarize, write_hang_report
+from hpcrl.launch import stacks
 from hpcrl.launch.base import WorkerFailed
 from hpcrl.launch.registry import Entry
-from hpcrl.launch.stacks import REQUEST_FILE, Stacks, request_stacks
+from hpcrl.launch.slurm.watch import JobRef
+from hpcrl.launch.stacks import REQUEST_FILE, Stacks, request_stacks, srun_argv
 from hpcrl.rpc.errors import RemoteError, RpcTimeoutError
 from tests.conftest import REPO
 from tests.controller.test_job import processes_of, wait_for_steps
@@ -123,6 +125,8 @@ def test_hang_report_gets_live_stacks_from_the_process_and_a_stopped_ones_by_py_
         start = time.monotonic()
         got = request_stacks(tmp_path, tmp_path / "stacks", [*entries, far], timeout_s=3)
         took = time.monotonic() - start
+        os.kill(stopped.pid, signal.SIGCONT)  # resumed after the report, as Slurm's SIGCONT before its SIGTERM does
+        time.sleep(1)  # five of its polls
     finally:
         for proc in (live, stopped):
             os.kill(proc.pid, signal.SIGCONT)
@@ -131,9 +135,66 @@ def test_hang_report_gets_live_stacks_from_the_process_and_a_stopped_ones_by_py_
     assert [(s.entry.role, s.answered) for s in got] == [("trainer", True), ("server", False), ("rollout", False)]
     own = got[0].path.read_text()
     assert own.startswith(f"pid {live.pid} on {here}") and 'File "<string>", line 6 in waiting_in_a_collective' in own
-    assert got[1].note.startswith("read by py-spy") and "waiting_in_a_collective" in got[1].path.read_text()
+    spied = got[1].path.read_text()
+    assert got[1].note.startswith("read by py-spy") and "waiting_in_a_collective" in spied
+    assert spied.startswith(f"Process {stopped.pid}: "), "py-spy's stacks, not replaced by a late answer"
+    assert not (tmp_path / REQUEST_FILE).exists(), "the request is withdrawn once the report has its stacks"
     assert got[2].path is None and got[2].note.startswith("none: not on this host")
     assert took < 3 + 10 + 2, "every wait has its deadline: the request's, then py-spy's"
+
+
+def test_py_spy_runs_on_a_far_node_inside_its_job_and_its_het_component():
+    dump = ["/venv/bin/py-spy", "dump", "--nonblocking", "--pid", "42"]
+    where = ["--overlap", "--nodelist=n2", "--nodes=1", "--ntasks=1", "--quiet"]
+    assert srun_argv(JobRef("7", 1), "n2", dump) == ["srun", "--jobid=7", "--het-group=1", *where, *dump]
+    assert srun_argv(JobRef("8"), "n2", dump) == ["srun", "--jobid=8", *where, *dump]
+
+
+# srun here: job 7 runs the command on "its node" (this host), job 8 is gone, job 9's step never starts
+FAKE_SRUN = """#!/bin/bash
+echo "$$ $*" >> "$SRUN_LOG"
+case "$1" in
+  --jobid=7) while [[ $1 == --* ]]; do shift; done; exec "$@" ;;
+  --jobid=8) echo "srun: error: Unable to confirm allocation for job 8: Invalid job id specified"; exit 1 ;;
+  *) exec sleep 60 ;;
+esac
+"""
+
+
+def test_hang_report_reads_a_silent_process_on_another_node_through_srun_within_a_deadline(tmp_path, monkeypatch):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "srun").write_text(FAKE_SRUN)
+    (tmp_path / "bin" / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.setenv("SRUN_LOG", str(tmp_path / "srun.log"))
+    monkeypatch.setattr(stacks, "SRUN_PY_SPY_TIMEOUT_S", 2.0)
+    stopped = watcher(tmp_path / "elsewhere", "trainer")  # answers another run directory's requests: silent here
+    far = [Entry(role, 0, "h", port, pid=stopped.pid, node="n2") for port, role in enumerate(["trainer", "critic"])]
+    far.append(Entry("rollout", 0, "h", 3, pid=stopped.pid, node="n3"))
+    jobs = {"trainer": JobRef("7", 1), "critic": JobRef("8"), "rollout": JobRef("9", 3)}
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        got = request_stacks(tmp_path, tmp_path / "stacks", far, timeout_s=0.5, jobs=jobs)
+        took = time.monotonic() - start
+    finally:
+        os.kill(stopped.pid, signal.SIGCONT)
+        stopped.kill()
+        stopped.wait()
+    assert [s.answered for s in got] == [False, False, False]
+    assert got[0].note.startswith("read by py-spy (dump --nonblocking) on its node, through srun")
+    assert got[0].path == tmp_path / "stacks" / "trainer-0.txt" and "waiting_in_a_collective" in got[0].path.read_text()
+    assert (got[1].path, got[1].note) == (
+        None, "none: py-spy through srun failed (srun: error: Unable to confirm allocation for job 8: Invalid job "
+        "id specified)"
+    )  # fmt: skip
+    assert (got[2].path, got[2].note) == (None, "none: py-spy through srun read nothing within 2 s")
+    calls = [line.split(" ", 1) for line in (tmp_path / "srun.log").read_text().splitlines()]
+    assert sorted(args.split(" --overlap")[0] for _, args in calls) == ["--jobid=7 --het-group=1", "--jobid=8",
+                                                                        "--jobid=9 --het-group=3"]  # fmt: skip
+    late = next(int(pid) for pid, args in calls if args.startswith("--jobid=9"))
+    assert not psutil.pid_exists(late), "the late srun is ended by its PID"
+    assert took < 0.5 + 2 + stacks.SRUN_STOP_S + 2, "each wait has its deadline"
 
 
 def test_hang_report_moves_an_earlier_report_aside(tmp_path):

@@ -198,7 +198,12 @@ def test_hang_report_of_a_sigstopped_trainer_rank_on_slurm_names_its_node_and_le
     assert f"{named} " in stderr and str(summary) in stderr, stderr[-3000:]
     text = summary.read_text()
     assert text.startswith(f"hang report: {named} "), text
-    assert f"pid {rank1.pid}  address {rank1.address}: no stacks (none: not on this host" in text, text
+    spied = "stacks/trainer-1.txt (read by py-spy (dump --nonblocking) on its node, through srun"
+    assert f"pid {rank1.pid}  address {rank1.address}: {spied}" in text, text
+    # py-spy's frames, "    <function> (<file>:<line>)", run on the stopped rank's node inside its job
+    stopped_stacks = (run_dir / "hang_report" / "stacks" / "trainer-1.txt").read_text()
+    assert stopped_stacks.startswith(f"Process {rank1.pid}: "), stopped_stacks[:500]
+    assert re.search(r"^ {4}\S+ \(\S*hpcrl/\S+\.py:\d+\)$", stopped_stacks, re.MULTILINE), stopped_stacks[:2000]
     (rank0,) = [e for e in Registry(run_dir / "registry").entries("trainer") if e.rank == 0]
     own = (run_dir / "hang_report" / "stacks" / "trainer-0.txt").read_text()
     assert own.startswith(f"pid {rank0.pid} on {rank0.node}") and 'File "' in own, own[:500]
