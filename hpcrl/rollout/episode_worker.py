@@ -63,6 +63,7 @@ from hpcrl.launch.addresses import port_range, worker_addresses
 from hpcrl.launch.lease import Lease
 from hpcrl.launch.registry import Entry, Registry
 from hpcrl.launch.slots import parse_worker_args, worker_ports
+from hpcrl.launch.stacks import watch_stack_requests
 from hpcrl.logs import setup_logging
 from hpcrl.rollout.remote import EpisodeRequest, SetResumed, SetServers
 from hpcrl.rollout.workflows.base import Group, Workflow
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = RunDir(Path(args.run_dir).absolute())
     setup_logging(ROLE, args.rank)  # stderr: the scheduler sends it to logs/rollout-<rank>.log
     lease = Lease.from_env()  # from the start: waiting for the servers counts against the lease's grace
+    watch_stack_requests(run_dir.path, ROLE, args.rank)  # a hang report asks for every worker's stacks
     try:
         cfg = load_run_config(run_dir.config_file)
     except ConfigError as e:

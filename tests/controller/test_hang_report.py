@@ -211,7 +211,7 @@ def test_hang_report_moves_an_earlier_report_aside(tmp_path):
 def test_hang_report_of_a_sigstopped_trainer_rank_names_it_and_ends_the_run(tmp_path):
     run_dir = tmp_path / "default" / "hang"
     cmd = [sys.executable, "-m", "hpcrl.main", f"run.root={tmp_path}", "run.trial=hang", "run.max_steps=1000"]
-    cmd += ["eval.stop_at_accuracy=0", "eval.every_steps=0", "allocation.trainer.workers=2"]
+    cmd += ["eval.stop_at_accuracy=0", "eval.every_steps=0", "allocation.trainer.workers=2", "rollout.workers=1"]
     # a lease longer than the hang timeout: the stopped rank's lease endpoint would otherwise name it first
     cmd += [f"cluster.hang_timeout_s={HANG_S}", "cluster.worker_lease_s=120"]
     job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -240,7 +240,7 @@ def test_hang_report_of_a_sigstopped_trainer_rank_names_it_and_ends_the_run(tmp_
     text = summary.read_text()
     assert text.startswith(f"hang report: {named} ") and f"within {HANG_S} s" in text
     stacks = run_dir / "hang_report" / "stacks"
-    for alive in ("trainer-0", "server-0"):
+    for alive in ("trainer-0", "server-0", "rollout-0"):
         assert 'File "' in (stacks / f"{alive}.txt").read_text(), alive
     assert "hpcrl" in (stacks / "trainer-1.txt").read_text(), "the stopped rank's stacks, read by py-spy"
     print(f"the run ended {took:.1f} s after rank 1 stopped (hang timeout {HANG_S} s)")
