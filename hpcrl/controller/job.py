@@ -128,14 +128,10 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
         try:
             summary = asyncio.run(_drive(cfg, run_dir, workers, addresses, token, rows, preempt))
         except Exception as e:  # a worker silent past its deadline: every worker's stacks, while they still run
-            every = [worker for spec in specs for worker in registry.entries(spec.role)]
-            lost = {role: group().lost for role, group in groups.items()}
-            if (unanswered := stalled_call(e) or lost_worker(e, lost, every)) is None:
+            hang = _hang_report(e, run_dir, [w for spec in specs for w in registry.entries(spec.role)], groups, started)
+            if hang is None:
                 raise
-            jobs = slurm_jobs([*started.values(), *(group() for group in groups.values())])
-            headline, report = write_hang_report(run_dir.path, every, unanswered, jobs=jobs)
-            cause = f"{e.role} worker {e.worker} {e.state}" if isinstance(e, WorkerFailed) else headline
-            raise HangError(cause, report) from e
+            raise hang from e
         # the ranks were told to shut down: torchrun SIGTERMed while they exit would log a traceback, so the
         # scheduler stops only what is still running after this
         for group in (trainers, critics):
@@ -143,6 +139,24 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
                 group.wait_exited(SHUTDOWN_WAIT_S)
     plot(run_dir.path / "metrics.jsonl", run_dir.path / "metrics.png")
     return {**summary, "run_dir": str(run_dir.path)}
+
+
+def _hang_report(
+    error: Exception,
+    run_dir: RunDir,
+    every: list[Entry],
+    groups: dict[str, Callable[[], WorkerGroup]],
+    started: dict[str, WorkerGroup],
+) -> HangError | None:
+    """When ``error`` is a call past its deadline or a worker the lease keeper lost: the hang report written
+    (``hang.py``) and the error that fails the run naming that worker; else None."""
+    lost = {role: group().lost for role, group in groups.items()}
+    if (unanswered := stalled_call(error) or lost_worker(error, lost, every)) is None:
+        return None
+    jobs = slurm_jobs([*started.values(), *(group() for group in groups.values())])
+    headline, report = write_hang_report(run_dir.path, every, unanswered, jobs=jobs)
+    cause = f"{error.role} worker {error.worker} {error.state}" if isinstance(error, WorkerFailed) else headline
+    return HangError(cause, report)
 
 
 async def _drive(cfg, run_dir, workers, addresses, token, rows, preempt) -> dict[str, Any]:
