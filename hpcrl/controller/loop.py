@@ -311,8 +311,7 @@ class Loop:
                 critics.train_step(shard(chunk, critics.world_size)),
             )
             results.append({**actor, **{f"critic_{k}": critic[k] for k in CRITIC_METRICS if k in critic}})
-        measured = any(k.startswith("mismatch_") for k in metrics)
-        first_update_mismatch(results, keep=not measured and self.cfg.algorithm.behaviour_logprobs == "server")
+        first_update_mismatch(results, keep=not any(k.startswith("mismatch_") for k in metrics))
         return results
 
     async def _proximal(self, sequences: list[SequenceData], metrics: dict[str, Any]) -> None:

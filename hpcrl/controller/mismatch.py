@@ -65,7 +65,7 @@ def mask_rejected(sequences: list[SequenceData], cfg: OffPolicyConfig) -> dict[s
 def first_update_mismatch(results: list[dict[str, float]], keep: bool) -> None:
     """Keep (with ``keep``) the trainers' ``mismatch_*`` numbers of the step's first update only, the one whose
     forward is the policy before the step (a later update's is after an update); none without ``keep``: when the
-    controller measured the whole batch itself, or the behaviour logprobs are the trainers' own (recompute).
+    controller measured the whole batch itself. (Under recompute the trainers report none: ``train/loss.py``.)
     In place."""
     for i, result in enumerate(results):
         if not keep or i > 0:
