@@ -186,9 +186,10 @@ RULES: tuple[Rule, ...] = (
 ALWAYS: dict[str, tuple[str, ...]] = {
     "run": ("root", "experiment", "trial", "seed", "max_steps", "log_level", "dry_run"),
     "allocation": ("spec",),
-    "allocation.server": ("backend", "workers", "gpus_per_worker", "tp_size", "nodes"),  # cpu: tp_size ranks sync
-    "allocation.trainer": ("backend", "workers", "gpus_per_worker", "tp_size", "nodes"),  # tp_size: 1 only
-    "allocation.critic": ("workers",),
+    "allocation.server": ("backend", "workers", "gpus_per_worker", "tp_size", "nodes", "min_workers"),  # cpu: tp
+    # tp_size: 1 only, min_workers: null only (checks.check_elastic_fleet)
+    "allocation.trainer": ("backend", "workers", "gpus_per_worker", "tp_size", "nodes", "min_workers"),
+    "allocation.critic": ("workers", "min_workers"),
     "cluster": ("name", "kind", "gpus_per_node", "worker_lease_s", "hang_timeout_s", "env"),
     # the controller's job, when it is one (RULES: a key given without its launcher is refused)
     "cluster.controller": (

@@ -61,6 +61,7 @@ def validate(cfg: Config) -> Config:
     check_inference(cfg.inference)
     check_extra_args(cfg.inference.extra_args, allocation.server.backend)  # as SGLang parses them
     check_server_restart(cfg)
+    check_elastic_fleet(cfg)
     check_weight_sync(cfg.train, allocation)
     check_reward(cfg.reward)
     check_eval(cfg.eval)
@@ -509,6 +510,28 @@ def check_server_restart(cfg: Config) -> None:
             "a dead server ends the whole job; restart the servers with cluster.submit_mode=per_role, or steps "
             "(inside `python -m hpcrl.sbatch hetjob`)",
         )
+
+
+def check_elastic_fleet(cfg: Config) -> None:
+    """allocation.server.min_workers: servers leave and join a running run, which goes on while at least that many
+    are live. A server that joins gets the weights from disk, and on Slurm each server is a job of its own."""
+    for role in ("trainer", "critic"):
+        got = getattr(cfg.allocation, role).min_workers
+        require(got is None, f"allocation.{role}.min_workers", got, "null (only the servers are an elastic fleet)")
+    least, server = cfg.allocation.server.min_workers, cfg.allocation.server
+    if least is None:
+        return
+    where = "allocation.server.min_workers"
+    expected = f"an integer in [1, allocation.server.workers={server.workers}]"
+    require(1 <= least <= server.workers, where, least, expected)
+    if cfg.train.weight_sync != "disk":
+        expected = "null with train.weight_sync=distributed: a server that joins cannot enter the weight-update group"
+        raise ConfigError(where, least, expected + " the others formed at start (or set train.weight_sync=disk)")
+    if cfg.inference.on_server_exit == "fail":
+        raise ConfigError(where, least, "null with inference.on_server_exit=fail (or set it to drop or restart)")
+    if cfg.cluster.kind == "slurm" and cfg.cluster.submit_mode != "per_role":
+        expected = "null unless cluster.submit_mode=per_role, where each server is a Slurm job of its own"
+        raise ConfigError(where, least, f"{expected} (got cluster.submit_mode={cfg.cluster.submit_mode})")
 
 
 def check_reward(r: RewardConfig) -> None:

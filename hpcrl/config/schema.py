@@ -33,6 +33,7 @@ class RoleAllocation:
     gpus_per_worker: int | None = None  # GPUs a worker owns; null: sglang tp_size, fsdp 1, critic the trainer's
     tp_size: int = 1  # tensor-parallel ranks of one server (sglang: GPUs; cpu: ranks joining the weight group)
     nodes: int = 0  # nodes the role spans; 0 = the fewest that fit
+    min_workers: int | None = None  # servers: an elastic fleet, going on while this many live; null = not elastic
 
 
 @dataclass

@@ -59,6 +59,26 @@ CLI_CASES = [
     ),
     (["inference.max_restarts=-1"], "inference.max_restarts=-1 is invalid: expected an integer >= 0"),
     (
+        ["allocation.server.workers=2", "allocation.server.min_workers=3"],
+        "allocation.server.min_workers=3 is invalid: expected an integer in [1, allocation.server.workers=2]",
+    ),
+    (
+        ["allocation.server.min_workers=1", "train.weight_sync=distributed"],
+        "allocation.server.min_workers=1 is invalid: expected null with train.weight_sync=distributed",
+    ),
+    (
+        ["allocation.server.min_workers=1", "inference.on_server_exit=fail"],
+        "allocation.server.min_workers=1 is invalid: expected null with inference.on_server_exit=fail",
+    ),
+    (
+        ["allocation.server.min_workers=1", "cluster=slurm_local", "cluster.submit_mode=hetjob"],
+        "allocation.server.min_workers=1 is invalid: expected null unless cluster.submit_mode=per_role",
+    ),
+    (
+        ["allocation.trainer.min_workers=1"],
+        "allocation.trainer.min_workers=1 is invalid: expected null (only the servers are an elastic fleet)",
+    ),
+    (
         ["algorithm.kl_coef=0.1"],
         "algorithm.kl_coef=0.1 is invalid: expected unset: it was renamed, set algorithm.kl.coef instead",
     ),
