@@ -24,8 +24,9 @@ deadline.
 
 Generation goes to one server per request, picked by ``policy``: ``least_loaded`` (fewest requests in
 flight from this client, ties broken round-robin) or ``round_robin``. The pool can change while requests
-run: ``remove`` a dead server, ``add`` a restarted one. While it is empty (its only server is restarting),
-requests wait for a server to join, at most ``no_server_timeout_s``. Control calls (pause, weight
+run: ``remove`` a dead server, ``add`` a restarted one. While it holds fewer than ``min_servers`` (1: while it is
+empty, its only server restarting; an elastic fleet's ``allocation.server.min_workers``), new requests wait for
+servers to join, at most ``no_server_timeout_s``; requests already sent go on. Control calls (pause, weight
 updates, ...) go to every server concurrently. Retries and timeouts are described in ``client_http``;
 the weight-group collectives are never retried, because a server that joins a collective twice waits for
 a partner that is not coming.
@@ -72,6 +73,7 @@ class InferenceClient:
         context_length: int | None = None,  # the servers' context, checked by SGLang's rules (context.fit); None: not
         context_overflow: str = "drop",  # drop: ContextLengthError | truncate: fewer new tokens when possible
         adapter: str | None = None,  # the LoRA adapter a generate request names unless it names one (train.lora)
+        min_servers: int = 1,  # below this many servers in the pool, new requests wait for servers to join
     ) -> None:
         _check_args(addresses, request_timeout_s, max_retries, backoff_s, policy, max_connections)
         if not no_server_timeout_s > 0:
@@ -94,7 +96,10 @@ class InferenceClient:
         )
         self._cursor = 0  # where the next round-robin scan starts
         self.no_server_timeout_s = no_server_timeout_s
-        self._has_servers = asyncio.Event()  # clear while the pool is empty
+        if min_servers < 1:
+            raise ValueError(f"min_servers must be >= 1, got {min_servers}")
+        self.min_servers = min_servers
+        self._has_servers = asyncio.Event()  # clear while the pool holds fewer than min_servers
         self._has_servers.set()
 
     async def __aenter__(self) -> InferenceClient:
@@ -132,7 +137,7 @@ class InferenceClient:
             raise ValueError(f"server {server!r} is the last one in the pool")
         self.addresses.remove(server)
         self._cursor %= max(len(self.addresses), 1)
-        if not self.addresses:
+        if len(self.addresses) < self.min_servers:
             self._has_servers.clear()
 
     def add(self, server: str) -> None:
@@ -141,7 +146,8 @@ class InferenceClient:
             raise ValueError(f"server {server!r} is already in the pool")
         self._http.add(server)  # raises ValueError if it is not host:port
         self.addresses.append(server)
-        self._has_servers.set()
+        if len(self.addresses) >= self.min_servers:
+            self._has_servers.set()
 
     def set_servers(self, servers: Sequence[str]) -> None:
         """Make the pool exactly ``servers`` (in that order), e.g. as another process's pool changed; a bad
@@ -483,15 +489,16 @@ class InferenceClient:
         return fixed(server)
 
     async def _pick_when_any(self, tried: list[str]) -> str:
-        """``pick``, once the pool has a server: while it is empty, wait for one to join (a deadline)."""
-        if not self.addresses:
-            logger.info("no inference server in the pool; waiting up to %g s for one to join", self.no_server_timeout_s)
+        """``pick``, once the pool has ``min_servers``: while it has fewer, wait for servers to join (a deadline)."""
+        if len(self.addresses) < self.min_servers:
+            live, least, wait_s = len(self.addresses), self.min_servers, self.no_server_timeout_s
+            logger.info("%d of at least %d servers in the pool; waiting up to %g s for more", live, least, wait_s)
             try:
-                await asyncio.wait_for(self._has_servers.wait(), self.no_server_timeout_s)
+                await asyncio.wait_for(self._has_servers.wait(), wait_s)
             except TimeoutError:
                 raise InferenceError(
-                    f"no inference server joined the empty pool within {self.no_server_timeout_s:g} s; the servers "
-                    "died and none came back (see their logs)",
+                    f"the pool held {len(self.addresses)} inference servers, fewer than {least}, for {wait_s:g} s; "
+                    "the servers died and not enough came back or joined (see their logs)",
                     server=", ".join(tried) or "none",
                     endpoint="/generate",
                 ) from None

@@ -25,4 +25,5 @@ def client_options(cfg: Config) -> dict[str, Any]:
         "context_overflow": cfg.inference.context_overflow,
         # every generate request names the policy's adapter; evaluation only (run.max_steps=0) serves model.path
         "adapter": POLICY_ADAPTER if cfg.train.lora.rank and cfg.run.max_steps else None,
+        "min_servers": server.min_workers or 1,  # an elastic fleet waits below allocation.server.min_workers
     }

@@ -46,8 +46,23 @@ def test_the_wait_for_a_server_has_a_deadline():
     async def body():
         async with fake_servers(1) as [fake], InferenceClient([fake.address], no_server_timeout_s=0.2) as client:
             client.remove(fake.address, last_ok=True)
-            with pytest.raises(InferenceError, match=r"no inference server joined the empty pool within 0\.2 s"):
+            with pytest.raises(InferenceError, match=r"the pool held 0 inference servers, fewer than 1, for 0\.2 s"):
                 await client.generate([1], PARAMS)
+
+    run(body())
+
+
+def test_below_min_servers_new_requests_wait_for_a_server_to_join_an_elastic_fleet():
+    async def body():
+        async with fake_servers(3) as [a, b, joiner], InferenceClient([a.address, b.address], min_servers=2) as client:
+            assert (await client.generate([1], PARAMS)).server in (a.address, b.address)
+            client.remove(b.address)  # one of two died: one is live, fewer than 2
+            waiting = asyncio.create_task(client.generate([1], PARAMS))
+            await asyncio.sleep(0.3)
+            assert not waiting.done(), "below min_servers a request must wait, not go to the one live server"
+            client.add(joiner.address)
+            assert (await asyncio.wait_for(waiting, 5)).server in (a.address, joiner.address)
+            assert len(a.bodies("/generate")) + len(joiner.bodies("/generate")) == 2
 
     run(body())
 
