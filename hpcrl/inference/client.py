@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -99,6 +100,7 @@ class InferenceClient:
         if min_servers < 1:
             raise ValueError(f"min_servers must be >= 1, got {min_servers}")
         self.min_servers = min_servers
+        self.answered: Counter[str] = Counter()  # server -> generations it answered (a batch counts each prompt)
         self._has_servers = asyncio.Event()  # clear while the pool holds fewer than min_servers
         self._has_servers.set()
 
@@ -190,7 +192,7 @@ class InferenceClient:
         if lora_path is not None:
             payload["lora_path"] = check_adapter_name(lora_path)
         chosen, answer = await self._http.call(self._chooser(server), "POST", "/generate", payload, count=1)
-        return parse_result(chosen, answer, return_logprob)
+        return self._counted([parse_result(chosen, answer, return_logprob)])[0]
 
     async def generate_many(
         self,
@@ -230,7 +232,16 @@ class InferenceClient:
                 server=chosen,
                 endpoint="/generate",
             )
-        return [parse_result(chosen, item, return_logprob) for item in answer]
+        return self._counted([parse_result(chosen, item, return_logprob) for item in answer])
+
+    def _counted(self, results: list[GenerateResult]) -> list[GenerateResult]:
+        """Count the answers of each server (``answered``); a server's first answer is logged with its weight
+        version, which says that a server that joined the pool serves the weights the others do."""
+        server = results[0].server
+        if not self.answered[server]:
+            logger.info("first answer from server %s: weight version %s", server, results[0].weight_version)
+        self.answered[server] += len(results)
+        return results
 
     async def wait_healthy(
         self, timeout_s: float, check_alive: Callable[[], None] | None = None, poll_s: float = 1.0

@@ -1,6 +1,7 @@
 """The client's pool changing under it: a dead server taken out, a restarted one put back."""
 
 import asyncio
+import logging
 
 import pytest
 
@@ -65,6 +66,22 @@ def test_below_min_servers_new_requests_wait_for_a_server_to_join_an_elastic_fle
             assert len(a.bodies("/generate")) + len(joiner.bodies("/generate")) == 2
 
     run(body())
+
+
+def test_the_client_counts_each_servers_answers_and_logs_its_first_with_the_weight_version(caplog):
+    async def body():
+        async with fake_servers(2) as [a, b], InferenceClient([a.address]) as client:
+            await client.generate([1], PARAMS)
+            client.add(b.address)
+            await client.generate_many([[1], [2]], PARAMS, server=b.address)
+            await client.generate([1], PARAMS, server=b.address)
+            return client.answered
+
+    with caplog.at_level(logging.INFO, logger="hpcrl.inference.client"):
+        answered = run(body())
+    assert sorted(answered.values()) == [1, 3]
+    firsts = [r.getMessage() for r in caplog.records if r.getMessage().startswith("first answer from server")]
+    assert len(firsts) == 2 and all("weight version" in line for line in firsts), firsts
 
 
 def test_weights_can_go_to_one_server_only():
