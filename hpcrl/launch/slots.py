@@ -17,6 +17,9 @@ port chosen there (``launch/slurm/rendezvous.py``); ``rendezvous=("trainer",)`` 
 own after every worker's, so that port never races a worker's on that node::
 
     PortSlots({"server": 2, "trainer": 4}, rendezvous=("trainer",))    # slot 7: the trainers' rendezvous
+
+A worker outside its role's numbering (a server that joined a running run, ``hpcrl.inference.join``, whose rank
+is past the role's workers) is handed its slot itself (``HPCRL_PORT_SLOT``), one of the run's slots.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from hpcrl.net import PortAllocator
 
 SLOT_BASE_ENV = "HPCRL_PORT_SLOT_BASE"  # the first port slot of this worker's role
 PORT_WORLD_ENV = "HPCRL_PORT_WORLD"  # how many slots the run's port range is cut into
+SLOT_ENV = "HPCRL_PORT_SLOT"  # this worker's slot itself, instead of HPCRL_PORT_SLOT_BASE + its rank
 RANK_ENV = "HPCRL_RANK"  # this worker's rank in its role (under torchrun, also RANK)
 TORCHRUN_RANK_ENV = "RANK"
 
@@ -40,6 +44,7 @@ class PortSlots:
 
     def __init__(self, counts: Mapping[str, int], rendezvous: Sequence[str] = ()):
         self.counts = dict(counts)  # role -> workers of that role
+        self.rendezvous_roles = tuple(rendezvous)  # with counts, all it takes to build the same slots again
         self._bases: dict[str, int] = {}
         self._rendezvous: dict[str, int] = {}  # torchrun role -> the slot of its rendezvous port
         next_slot = CONTROLLER_SLOT + 1
@@ -106,14 +111,20 @@ class PortSlots:
 def worker_ports(
     net_port_range: tuple[int, int] | None = None, environ: Mapping[str, str] | None = None
 ) -> PortAllocator:
-    """This worker's PortAllocator: slot ``HPCRL_PORT_SLOT_BASE + rank`` of ``HPCRL_PORT_WORLD``.
+    """This worker's PortAllocator: slot ``HPCRL_PORT_SLOT_BASE + rank`` of ``HPCRL_PORT_WORLD``, or
+    ``HPCRL_PORT_SLOT`` where that is set (a worker that joined a running run).
 
     The rank is ``HPCRL_RANK``, else torchrun's ``RANK``. A process started by hand (not by a
     scheduler) must set the three variables itself, so that it cannot silently share a slice.
     """
     env = os.environ if environ is None else environ
-    base = _int_env(env, SLOT_BASE_ENV)
     world = _int_env(env, PORT_WORLD_ENV)
+    if SLOT_ENV in env:
+        slot = _int_env(env, SLOT_ENV)
+        if not 0 <= slot < world:
+            raise ValueError(f"port slot {SLOT_ENV}={slot} is outside 0..{world - 1} ({PORT_WORLD_ENV}={world})")
+        return PortAllocator(net_port_range, rank=slot, world_size=world)
+    base = _int_env(env, SLOT_BASE_ENV)
     rank_name = RANK_ENV if RANK_ENV in env else TORCHRUN_RANK_ENV
     rank = _int_env(env, rank_name)
     slot = base + rank
