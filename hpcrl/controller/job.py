@@ -46,6 +46,7 @@ from hpcrl.inference.client import InferenceClient
 from hpcrl.inference.options import client_options
 from hpcrl.launch.addresses import port_range, worker_addresses
 from hpcrl.launch.base import Scheduler, WorkerFailed, WorkerGroup
+from hpcrl.launch.controller_file import write_controller_file
 from hpcrl.launch.lease import LeaseKeeper, with_lease
 from hpcrl.launch.local import LocalScheduler
 from hpcrl.launch.registry import Entry, Registry
@@ -84,6 +85,7 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
     torchrun_roles = ("trainer", "critic") if alloc.critic.workers else ("trainer",)
     slots = PortSlots({role: n for role, n in counts.items() if n}, rendezvous=torchrun_roles)
     controller = secrets.token_hex(8)  # this controller's id: workers hold their lease on it, and it alone
+    write_controller_file(run_dir.path, controller, cfg.cluster.worker_lease_s, slots)  # for servers that join
     lease_s = cfg.cluster.worker_lease_s
     specs = [with_lease(spec, controller, lease_s) for spec in role_specs(cfg)]
     registry = Registry(run_dir.registry)
