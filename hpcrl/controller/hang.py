@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from hpcrl.launch.base import WorkerFailed, WorkerGroup
 from hpcrl.launch.registry import Entry
-from hpcrl.launch.stacks import Stacks, request_stacks
+from hpcrl.launch.stacks import Jobs, Stacks, request_stacks
 from hpcrl.rpc.errors import RpcTimeoutError
 
 if TYPE_CHECKING:  # for its type only: importing hpcrl.launch.slurm loads submitit, of no use to a local run
@@ -87,10 +87,11 @@ def write_hang_report(
     entries: list[Entry],
     unanswered: Unanswered,
     stacks_wait_s: float = STACKS_WAIT_S,
-    jobs: dict[str, JobRef] | None = None,
+    jobs: Jobs | None = None,
 ) -> tuple[str, Path]:
     """Gather every registered worker's stacks, write the report into ``run_dir``/hang_report; (the headline: one
-    line naming who did not answer, the summary file). ``jobs``: each role's Slurm job, if it runs as one."""
+    line naming who did not answer, the summary file). ``jobs``: each role's Slurm job, if it runs as one, and each
+    worker's, if it runs as one of its own (``slurm_jobs``)."""
     out = _fresh_dir(Path(run_dir) / REPORT_DIR)
     stacks = request_stacks(run_dir, out / "stacks", entries, stacks_wait_s, jobs)
     headline, text = summarize(unanswered, stacks, out)
@@ -116,10 +117,17 @@ def summarize(unanswered: Unanswered, stacks: list[Stacks], out: Path) -> tuple[
     return headline, "\n".join(lines) + "\n"
 
 
-def slurm_jobs(groups: list[WorkerGroup]) -> dict[str, JobRef]:
-    """The Slurm job of each role that runs as one (a local group has none); of a role's groups the last wins (the
-    servers' group now, after a restart)."""
-    return {g.role: job for g in groups if (job := getattr(g, "job", None)) is not None}
+def slurm_jobs(groups: list[WorkerGroup]) -> dict[str | tuple[str, int], JobRef]:
+    """The Slurm job of each role that runs as one, by role, and of each worker that runs as one of its own (a
+    fleet's: ``SlurmFleet.rank_jobs``), by (role, rank); a local group has none. Of a role's groups the last wins
+    (the servers' group now, after a restart)."""
+    jobs: dict[str | tuple[str, int], JobRef] = {}
+    for g in groups:
+        if (job := getattr(g, "job", None)) is not None:
+            jobs[g.role] = job
+        for rank, job in getattr(g, "rank_jobs", {}).items():
+            jobs[g.role, rank] = job
+    return jobs
 
 
 def _names(stacks: list[Stacks]) -> str:

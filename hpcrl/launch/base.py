@@ -54,6 +54,9 @@ class RoleSpec:
     env: dict[str, str] = field(default_factory=dict)  # extra environment of every worker
     setup_timeout_s: float = 600.0  # seconds every worker gets to register once started
     resources: Any = None  # scheduler-specific extras (Slurm partition, time, sbatch options); local ignores it
+    # each worker of the role is a Slurm job of its own (one worker on one node), so that one can end, be replaced
+    # or be requeued without the others; local ignores it: its workers are separate processes already
+    job_per_worker: bool = False
 
     def __post_init__(self) -> None:
         where = f"RoleSpec({self.role!r})"
@@ -68,6 +71,8 @@ class RoleSpec:
             raise ValueError(f"{where}: gpus_per_worker must be >= 0, got {self.gpus_per_worker}")
         if self.workers % self.nodes:
             raise ValueError(f"{where}: workers={self.workers} must split evenly over nodes={self.nodes}")
+        if self.job_per_worker and self.torchrun:
+            raise ValueError(f"{where}: job_per_worker needs a plain role: torchrun's ranks are one world in one job")
         if not self.setup_timeout_s > 0:
             raise ValueError(f"{where}: setup_timeout_s must be > 0 seconds, got {self.setup_timeout_s}")
         reserved = sorted(set(self.env) & set(WORKER_ENV))
@@ -99,6 +104,11 @@ class WorkerFailed(RuntimeError):
     @property
     def exit_code(self) -> int | None:
         return self.state if isinstance(self.state, int) else None
+
+
+class WorkerRequeued(WorkerFailed):
+    """A worker whose Slurm job went back to the queue (preempted, or ``scontrol requeue``d, a job submitted with
+    ``--requeue``): it is gone for now, and comes back by itself, registering anew once it serves again."""
 
 
 class WorkerGroup(ABC):

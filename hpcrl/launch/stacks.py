@@ -8,8 +8,9 @@
                 timeout_s for each registered worker's file; for a worker that wrote none,
                 ``py-spy dump --nonblocking --pid P`` (it reads the process's memory and never stops it, so it
                 reads a stopped process too): here if it runs on this host, else on its node inside its own Slurm
-                job (``jobs``: by role), as ``srun --jobid=J [--het-group=K] --overlap --nodelist=NODE --nodes=1
-                --ntasks=1 py-spy ...``; each with a deadline of its own, past which it is killed by PID
+                job (``jobs``: by role, or by (role, rank) where each worker is a job of its own), as
+                ``srun --jobid=J [--het-group=K] --overlap --nodelist=NODE --nodes=1 --ntasks=1 py-spy ...``;
+                each with a deadline of its own, past which it is killed by PID
 
 Why a file in the run directory rather than a signal: on Slurm the workers run on other nodes, out of the
 controller's reach, and the run directory is on a filesystem every node shares. A process whose threads cannot
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -113,11 +115,16 @@ class Stacks:
     note: str  # how they were taken, or why none were
 
 
+# the Slurm job a worker runs in: its role's (one job for all of them), or its own (role, rank)'s (fleet.py)
+Jobs = Mapping["str | tuple[str, int]", "JobRef"]
+
+
 def request_stacks(
-    run_dir: Path, out_dir: Path, entries: list[Entry], timeout_s: float, jobs: dict[str, JobRef] | None = None
+    run_dir: Path, out_dir: Path, entries: list[Entry], timeout_s: float, jobs: Jobs | None = None
 ) -> list[Stacks]:
     """Ask every worker in ``entries`` for its stacks into ``out_dir``; what each did, in the order given. ``jobs``:
-    the Slurm job of each role run as one, where py-spy reads a silent worker on another node."""
+    the Slurm job of each role run as one, or of each worker run as one, where py-spy reads a silent worker on
+    another node."""
     out_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(Path(run_dir) / REQUEST_FILE, json.dumps({"id": secrets.token_hex(8), "dir": str(out_dir)}))
     deadline = time.monotonic() + timeout_s
@@ -126,7 +133,7 @@ def request_stacks(
         time.sleep(0.2)
         waiting = [e for e in waiting if not stack_file(out_dir, e).exists()]
     here, jobs = socket.gethostname(), jobs or {}
-    spied = _py_spy_all([e for e in waiting if e.node == here or e.role in jobs], out_dir, here, jobs)
+    spied = _py_spy_all([e for e in waiting if e.node == here or job_of(jobs, e)], out_dir, here, jobs)
     (Path(run_dir) / REQUEST_FILE).unlink(missing_ok=True)  # answered or not, too late for this report
     found = []
     for entry in entries:
@@ -139,6 +146,11 @@ def request_stacks(
     return found
 
 
+def job_of(jobs: Jobs, entry: Entry) -> JobRef | None:
+    """The Slurm job ``entry``'s worker runs in: its own, else its role's; None if neither is known."""
+    return jobs.get((entry.role, entry.rank)) or jobs.get(entry.role)
+
+
 def srun_argv(job: JobRef, node: str, argv: list[str]) -> list[str]:
     """``argv`` as one task on ``node`` inside ``job``'s allocation, beside its running steps (``--overlap``: it
     needs none of their CPUs or memory)."""
@@ -148,7 +160,7 @@ def srun_argv(job: JobRef, node: str, argv: list[str]) -> list[str]:
 
 
 def _py_spy_all(
-    entries: list[Entry], out_dir: Path, here: str, jobs: dict[str, JobRef]
+    entries: list[Entry], out_dir: Path, here: str, jobs: Jobs
 ) -> dict[tuple[str, int], tuple[Path | None, str]]:
     """``py-spy dump`` of each process at once, here or through srun on its node, each within its deadline: by
     (role, rank), its stacks' file (None if py-spy got none) and a note saying how they were taken or why none
@@ -164,7 +176,8 @@ def _py_spy_all(
         if remote and shutil.which("srun") is None:
             found[e.role, e.rank] = (None, "none: not on this host, and srun is not installed here")
             continue
-        argv = srun_argv(jobs[e.role], e.node, dump) if remote else dump
+        job = job_of(jobs, e)
+        argv = srun_argv(job, e.node, dump) if remote and job is not None else dump
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         running[e.role, e.rank] = (proc, remote)
     start = time.monotonic()

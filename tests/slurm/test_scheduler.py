@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.config.schema import ClusterConfig
-from hpcrl.launch.base import RoleSpec, WorkerFailed
+from hpcrl.config.schema import ClusterConfig, RoleResources
+from hpcrl.launch.base import RoleSpec, WorkerFailed, WorkerRequeued
 from hpcrl.launch.registry import Entry
 from hpcrl.launch.slots import PortSlots
 from hpcrl.launch.slurm import SlurmScheduler
 from hpcrl.launch.slurm.task import expand_hostlist
 from hpcrl.net import is_port_free
 from hpcrl.rundir import RunDir
-from tests.slurm.conftest import sacct, sbatch, wait_for_state
+from tests.slurm.conftest import release_when_requeued, sacct, sbatch, wait_for_state
 
 pytestmark = pytest.mark.slurm
 
@@ -369,3 +369,50 @@ def test_a_queue_timeout_fails_a_job_that_waits_too_long(slurm_cluster, job_pref
                 group.wait_ready()
     finally:
         subprocess.run(["scancel", blocker], timeout=30, check=False)
+
+
+def test_elastic_fleet_a_job_per_worker_ends_is_replaced_and_is_requeued_without_the_others(
+    slurm_cluster, job_prefix, run_dir
+):
+    """A fleet of two workers, each a job of its own submitted with --requeue: rank 1's job cancelled fails rank 1
+    alone, and a new job replaces it; rank 0's job requeued is reported once, and rank 0 registers again."""
+    requeue = RoleResources(extra_sbatch=["--requeue"])
+    spec = RoleSpec("plain", WORKER, workers=2, job_per_worker=True, setup_timeout_s=60, resources=requeue)
+    slots = PortSlots({"plain": 2})
+    with scheduler(run_dir, slots, slurm_cluster, job_prefix, "per_role") as s:
+        fleet = s.start(spec)
+        first = fleet.wait_ready()
+        assert_listening(first, slots, "plain")
+        jobs = fleet.rank_jobs
+        assert s.job_ids == [jobs[0].job_id, jobs[1].job_id]
+        for rank, job in jobs.items():
+            name = f"{job_prefix}plain-{rank}"
+            assert sacct_rows(job.job_id, named(name))[job.job_id]["JobName"] == name
+
+        subprocess.run(["scancel", jobs[1].job_id], check=True, timeout=30)
+        err = raises_soon(fleet.check_alive)
+        assert type(err) is WorkerFailed and err.worker == 1, err
+        assert err.state.startswith(f"ended: its Slurm job {jobs[1]} (node {first[1].node}) is CANCELLED"), err
+        assert queued([jobs[0].job_id]) == [jobs[0].job_id], "rank 0's job runs on"
+        fleet.restart(1)
+        assert fleet.rank_jobs[1] != jobs[1] and s.job_ids[-1] == fleet.rank_jobs[1].job_id
+        replaced = fleet.wait_ready()
+        assert replaced[0] == first[0] and replaced[1].pid != first[1].pid
+
+        release_when_requeued(jobs[0].job_id)  # Slurm would hold it 2 minutes
+        subprocess.run(["scontrol", "requeue", jobs[0].job_id], check=True, timeout=30)
+        err = raises_soon(fleet.check_alive)
+        assert type(err) is WorkerRequeued and err.worker == 0, err
+        deadline = time.monotonic() + 60
+        while not [e for e in fleet.registry.entries("plain") if e.rank == 0]:
+            fleet.check_alive()  # once: it waits in the queue, then starts again, and raises nothing more
+            assert time.monotonic() < deadline, (
+                f"rank 0 did not register again: job {jobs[0]} {fleet.watcher.state(jobs[0])}"
+            )
+            time.sleep(0.5)
+        back = fleet.wait_ready()
+        assert fleet.rank_jobs[0] == jobs[0] and back[0].pid != first[0].pid and back[1] == replaced[1]
+        assert run_dir.log_file("plain", 0).read_text().count("rank 0 listening") == 2
+        job_ids = list(s.job_ids)
+        fleet.stop()
+        assert queued(job_ids) == []

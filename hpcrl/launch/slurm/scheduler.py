@@ -6,10 +6,12 @@
     # leaving the block (normally, by an exception, Ctrl-C or SIGTERM) scancels every job it submitted, by id
 
 ``start(spec)`` submits one job for one role through submitit's ``SlurmExecutor`` (folder
-``<run_dir>/slurm``). ``start_all(specs)`` does that for each spec in ``per_role`` mode, and submits one
-heterogeneous job with a component per spec in ``hetjob`` mode (``hetjob.py``). Either way each task
-runs a pickled ``WorkerTask`` (``task.py``) that becomes the worker; workers register in the run
-directory's registry, which ``wait_ready`` reads.
+``<run_dir>/slurm``), or, for a spec with ``job_per_worker``, one job per worker (``<prefix><role>-<rank>``): a
+``SlurmFleet`` (``fleet.py``), whose workers end, are replaced or are requeued one by one (``per_role`` mode
+only). ``start_all(specs)`` does that for each spec in ``per_role`` mode, and submits one heterogeneous job
+with a component per spec in ``hetjob`` mode (``hetjob.py``). Either way each task runs a pickled
+``WorkerTask`` (``task.py``) that becomes the worker; workers register in the run directory's registry, which
+``wait_ready`` reads.
 
 Failures: ``check_alive`` reads the job's (or component's) state from squeue and sacct through the
 scheduler's one ``JobWatcher`` (cached, every call with a timeout) and raises
@@ -30,6 +32,7 @@ in the same signal-free step as its sbatch, so no job escapes between submission
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import uuid
@@ -40,10 +43,11 @@ from submitit.core.utils import DelayedSubmission
 
 from hpcrl.config.schema import ClusterConfig
 from hpcrl.errors import UserError
-from hpcrl.launch.base import RoleSpec, Scheduler, WorkerFailed, worker_env
+from hpcrl.launch.base import RoleSpec, Scheduler, WorkerFailed, WorkerGroup, worker_env
 from hpcrl.launch.process import Child, ChildGroup, _signals_held, add_last_resort, remove_last_resort
 from hpcrl.launch.registry import Registry
 from hpcrl.launch.slots import PortSlots
+from hpcrl.launch.slurm.fleet import SlurmFleet
 from hpcrl.launch.slurm.group import SlurmWorkerGroup
 from hpcrl.launch.slurm.hetjob import HetComponent, render_hetjob_script, step_script, submit_script
 from hpcrl.launch.slurm.rendezvous import RendezvousPlan
@@ -104,11 +108,12 @@ class SlurmScheduler(Scheduler):
         self.stop_timeout_s = stop_timeout_s
         self.watcher = JobWatcher(cache_s)
         self.job_ids: list[str] = []  # every job this scheduler submitted, in order
-        self._groups: list[SlurmWorkerGroup] = []
+        self._groups: list[SlurmWorkerGroup | SlurmFleet] = []
         self._signals = ChildGroup()  # holds no children: only its SIGTERM/SIGINT-to-exception handling
 
-    def start(self, spec: RoleSpec) -> SlurmWorkerGroup:
-        """Submit ``spec``'s workers as one Slurm job of their own (through submitit); returns at once."""
+    def start(self, spec: RoleSpec) -> SlurmWorkerGroup | SlurmFleet:
+        """Submit ``spec``'s workers as one Slurm job of their own (through submitit), or as one job per worker
+        (``spec.job_per_worker``: a ``SlurmFleet``); returns at once."""
         self._check([spec])
         if "%" in str(self.folder) or "\n" in str(self.folder):
             raise ValueError(
@@ -117,17 +122,39 @@ class SlurmScheduler(Scheduler):
                 "submit the roles as one heterogeneous job (cluster.submit_mode=hetjob), which escapes it"
             )
         self.registry.clear(spec.role)  # entries of an earlier attempt must not count as ready
-        resources = role_resources(spec, self.cluster, self.job_prefix + spec.role)
+        if spec.job_per_worker:
+            return self._start_fleet(spec)
+        job = self._submit(spec, self._task(spec), self.job_prefix + spec.role)
+        return self._group(spec, job)
+
+    def _submit(self, spec: RoleSpec, task: WorkerTask, job_name: str) -> JobRef:
+        """Submit ``task`` as one job of ``spec``'s resources through submitit; its id recorded at once."""
+        resources = role_resources(spec, self.cluster, job_name)
         executor = submitit.SlurmExecutor(folder=self.folder)
         executor.update_parameters(**submitit_parameters(resources, self.cluster.setup))
-        task = self._task(spec)
         with _signals_held():  # a job whose id is not recorded could not be cancelled
             job_id = executor.submit(task).job_id
             self.job_ids.append(job_id)
-        log.info("%s: submitted Slurm job %s (%s)", spec.role, job_id, _describe(resources.sbatch_options()))
-        return self._group(spec, JobRef(job_id))
+        log.info("%s: submitted Slurm job %s (%s)", job_name, job_id, _describe(resources.sbatch_options()))
+        return JobRef(job_id)
 
-    def start_all(self, specs: Sequence[RoleSpec]) -> list[SlurmWorkerGroup]:
+    def _start_fleet(self, spec: RoleSpec) -> SlurmFleet:
+        """One job per worker of ``spec``: each asks for what one worker of the role needs, on one node."""
+        one = dataclasses.replace(spec, workers=1, nodes=1)
+        task = self._task(spec)  # the role's environment: its world size, port slots, settings
+
+        def submit(rank: int) -> JobRef:
+            job = self._submit(one, dataclasses.replace(task, rank=rank), f"{self.job_prefix}{spec.role}-{rank}")
+            self.watcher.watch(job)
+            return job
+
+        args = (self.registry, submit, self.watcher, self.folder, self.run_dir, self.stop_timeout_s)
+        fleet = SlurmFleet(spec, *args, self.cluster.queue_timeout_min * 60 or None)
+        self._groups.append(fleet)
+        fleet.start()
+        return fleet
+
+    def start_all(self, specs: Sequence[RoleSpec]) -> list[WorkerGroup]:
         """Submit every spec: one heterogeneous job (``hetjob``), or one job per spec (``per_role``).
 
         A single spec always gets a job of its own. The groups come back in the order of ``specs``.
@@ -135,7 +162,7 @@ class SlurmScheduler(Scheduler):
         specs = list(specs)
         self._check(specs)  # every spec, before any job is submitted
         if self.cluster.submit_mode == "steps":
-            return self._start_steps(specs)
+            return list(self._start_steps(specs))
         if self.cluster.submit_mode == "per_role" or len(specs) < 2:
             return [self.start(spec) for spec in specs]
         uid = uuid.uuid4().hex[:12]
@@ -156,7 +183,7 @@ class SlurmScheduler(Scheduler):
         groups = [self._group(spec, JobRef(job_id, k)) for k, spec in enumerate(specs)]
         for group in groups:  # they end together: each names the role whose step ended first
             group.het_groups = groups
-        return groups
+        return list(groups)
 
     def _start_steps(self, specs: list[RoleSpec]) -> list[SlurmWorkerGroup]:
         """Each spec as an srun step of het group 1, 2, ... of the job this controller runs in (steps.py)."""
@@ -174,11 +201,13 @@ class SlurmScheduler(Scheduler):
         log.info("%s: started as srun step of het group %d of Slurm job %s", spec.role, k, job_id)
         return self._group(spec, JobRef(job_id, k), srun)
 
-    def restart(self, group: SlurmWorkerGroup) -> SlurmWorkerGroup:
+    def restart(self, group: WorkerGroup) -> SlurmWorkerGroup | SlurmFleet:
         """Start a role whose job (or step) has ended, or whose worker the controller can no longer reach, again:
         a new job of its own (``per_role``), or a new srun step in its het group of the controller's allocation
         (``steps``). In one heterogeneous job (``hetjob``) the roles share the job's fate, so there is nothing
-        left to restart into."""
+        left to restart into. A fleet's workers are replaced one by one: ``SlurmFleet.restart(rank)``."""
+        if not isinstance(group, SlurmWorkerGroup):
+            raise ValueError(f"{group.role}: one job per worker: replace the worker, with the fleet's restart(rank)")
         try:
             group.check_alive()
         except WorkerFailed:
@@ -233,6 +262,11 @@ class SlurmScheduler(Scheduler):
         if len(set(roles)) != len(roles):
             raise ValueError(f"each role may be started once per call, got {roles}")
         for spec in specs:
+            if spec.job_per_worker and self.cluster.submit_mode != "per_role":
+                raise ValueError(
+                    f"{spec.role}: one Slurm job per worker (job_per_worker) needs cluster.submit_mode=per_role, "
+                    f"got {self.cluster.submit_mode}: a heterogeneous job or its steps hold all of a role's workers"
+                )
             self.slots.base(spec.role)  # a role without slots is the clearer error
             if self.slots.counts[spec.role] != spec.workers:
                 raise ValueError(

@@ -6,6 +6,7 @@ Slurm signals and watches the worker itself:
 
     plain role:    task i of the step  -> HPCRL_RANK=i (SLURM_PROCID), output to logs/<role>-<i>.log,
                                           GPUs: its own slice of the node's CUDA_VISIBLE_DEVICES
+    a fleet's job: its one task        -> HPCRL_RANK=k, the task's fixed ``rank`` (fleet.py: a job per worker)
     torchrun role: one task per node   -> torchrun --nnodes=N --nproc-per-node=W/N, c10d rendezvous on the
                                           first node of the step, at a port chosen there (rendezvous.py);
                                           ranks start through
@@ -55,6 +56,7 @@ class WorkerTask:
     torchrun: bool = False  # one torchrun per node, instead of one task per worker
     rendezvous: RendezvousPlan | None = None  # torchrun: where its c10d rendezvous port comes from
     cwd: str = field(default_factory=os.getcwd)  # where the worker starts (the controller's directory)
+    rank: int | None = None  # the worker's rank, fixed: the one worker of a fleet's job; None = SLURM_PROCID
 
     def __call__(self) -> None:
         exec_worker(self, os.environ)
@@ -66,7 +68,7 @@ def exec_worker(task: WorkerTask, environ: dict[str, str] | os._Environ) -> NoRe
     if task.torchrun:
         argv, log_file = torchrun_argv(task, environ), None
     else:
-        rank = int(_need(environ, "SLURM_PROCID"))
+        rank = task.rank if task.rank is not None else int(_need(environ, "SLURM_PROCID"))
         env[RANK_ENV] = str(rank)
         env.update(_gpu_env(task, environ))
         argv, log_file = task.argv, task.logs / f"{task.role}-{rank}.log"

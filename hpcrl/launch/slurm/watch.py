@@ -96,6 +96,13 @@ class JobWatcher:
             self._jobs[job.name] = job
             self._checked = float("-inf")  # a new job: the cache says nothing about it
 
+    def forget(self, job: JobRef) -> None:
+        """Drop ``job``'s state, final or not, so that the next ``state`` reads it anew: a job submitted with
+        ``--requeue`` may come back from a state that is otherwise final (``fleet.py``)."""
+        with self._lock:
+            self._states.pop(job.name, None)
+            self._checked = float("-inf")
+
     def state(self, job: JobRef) -> JobState:
         """``job``'s state, at most ``cache_s`` old (final states are kept for good)."""
         with self._lock:
