@@ -9,16 +9,16 @@ be replaced or be requeued while the others go on.
     fleet.drop(k) / fleet.restart(k)    scancel rank k's job and forget it / submit a new job for rank k
     fleet.stop()                        scancel every job the fleet ever submitted; wait until squeue drops them
 
-How a requeue looks (Slurm 22.05, the test Slurm, ``scontrol requeue`` of a running job submitted with
+How a requeue looks, observed on the test Slurm (``scontrol requeue`` of a running job submitted with
 ``--requeue``): squeue shows it RUNNING, then COMPLETING (reason None) for about half a second, then PENDING with
 reason BeginTime and a start time 2 minutes ahead (Slurm holds a requeued job that long); the job id stays, and
 ``scontrol show job`` counts ``Restarts=1``. ``sacct -X`` shows REQUEUED while it completes, then PENDING (with
-``-D``, both records). A preempted job (PreemptMode=REQUEUE) records PREEMPTED rather than REQUEUED in sacct, and
-a job on a failed node NODE_FAIL; squeue shows both as COMPLETING, then PENDING, as above. So a requeue is a job
-that had started and is now back in a queued state. The only way to read such a job as PREEMPTED or NODE_FAIL
-(final for ``JobWatcher``, which keeps final states for good) is sacct's answer in the moment between its two
-records, asked when squeue did not answer: the fleet then reads the job once more (``JobWatcher.forget``) before it
-takes it for ended.
+``-D``, both records). So a requeue is a job that had started and is now back in a queued state. Not observed (the
+test Slurm preempts nothing): a job preempted with PreemptMode=REQUEUE, or requeued off a failed node, is recorded
+PREEMPTED or NODE_FAIL rather than REQUEUED, states that are final for ``JobWatcher``, which keeps those for good.
+squeue shows the job's current state (PENDING once requeued), so such a state would come from sacct's record of
+the run that ended, asked when squeue did not answer: the fleet reads a job in either state once more
+(``JobWatcher.forget``) before it takes it for ended.
 
 A requeued rank's registry entry is stale (its worker is gone): ``check_alive`` removes it and forgets the rank's
 lost mark before it raises ``WorkerRequeued``, so whoever waits for the rank waits for its new registration.
@@ -118,7 +118,7 @@ class SlurmFleet(WorkerGroup):
             try:
                 self.check_alive()
             except WorkerRequeued as requeued:
-                log.warning("%s; waiting for it to start again", requeued)
+                log.warning("%s worker %s %s", self.role, requeued.worker, requeued.state)
                 continue
             self.queued()  # raises past queue_timeout_s
             entries = {e.rank: e for e in self.registry.entries(self.role) if e.rank in self.ranks}
