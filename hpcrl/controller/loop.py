@@ -347,7 +347,9 @@ class Loop:
 
     def _server_counts(self) -> dict[str, int]:
         pool = self.w.servers
-        return {"servers_lost": pool.lost, "servers_restarted": pool.restarts} if pool is not None else {}
+        if pool is None:
+            return {}
+        return {"servers_lost": pool.lost, "servers_restarted": pool.restarts, "servers_joined": pool.joins}
 
     def _executor(self) -> RolloutExecutor:
         cfg = self.cfg

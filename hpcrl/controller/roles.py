@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 
 from hpcrl.config.schema import Config, RoleAllocation, RoleResources
 from hpcrl.cores import usable_cores
@@ -26,7 +27,9 @@ def role_specs(cfg: Config) -> list[RoleSpec]:
 
 
 def server_spec(cfg: Config) -> RoleSpec:
-    return _role_spec(cfg, "server", "hpcrl.inference.worker")
+    """The servers; an elastic fleet (``allocation.server.min_workers``) has each of them as a Slurm job of its own."""
+    spec = _role_spec(cfg, "server", "hpcrl.inference.worker")
+    return replace(spec, job_per_worker=cfg.allocation.server.min_workers is not None)
 
 
 def trainer_spec(cfg: Config) -> RoleSpec:

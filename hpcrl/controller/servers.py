@@ -15,6 +15,15 @@ queue does not count against the setup timeout. ``drop`` is local only, and in o
 (``hetjob``) the roles share the job's fate: there a dead server fails the run (config checks refuse
 ``restart``). Rollout workers are told every change of the pool.
 
+An elastic fleet (``allocation.server.min_workers`` set) changes three things. A dead server may leave even when
+it is the last: below ``min_workers`` live servers new requests wait for more (``InferenceClient.min_servers``,
+with the same deadline). On Slurm each server is a job of its own (``launch/slurm/fleet.py``), so ``drop`` and
+``restart`` act on that server's job alone (``restart`` submits a replacement job), and a job Slurm requeues
+(preempted, a job submitted with ``--requeue``) leaves the pool and rejoins once it registers again, counting as
+no restart. And servers the controller did not start may join: a registry entry of a rank the pool does not know
+(``python -m hpcrl.inference.join RUN_DIR``) loads the newest weights as a restarted server does and enters the
+pool; one that leaves (its entry gone) or that the lease keeper loses is let go, never restarted.
+
 The watchdog calls ``check`` (plain) every second, and runs ``rejoin`` (async) as a task of its own, never
 waiting on it: loading weights may take long, and a worker that dies meanwhile must still be noticed.
 ``rejoin`` holds the weight sync's lock, so a restarted server joins either before a weight sync, which then
@@ -31,7 +40,7 @@ from typing import Any
 
 from hpcrl.config.schema import Config
 from hpcrl.inference.client import InferenceError
-from hpcrl.launch.base import Scheduler, WorkerFailed, WorkerGroup
+from hpcrl.launch.base import Scheduler, WorkerFailed, WorkerGroup, WorkerRequeued
 from hpcrl.launch.registry import Entry
 
 log = logging.getLogger(__name__)
@@ -49,13 +58,16 @@ class ServerPool:
         self.client: Any = None  # inference.client.InferenceClient
         self.sync: Any = None  # controller.weights.WeightSync
         self.episodes: Any = None  # rollout.remote.RemoteEpisodes, when rollout workers run the episodes
-        self.lost = self.restarts = 0
+        self.lost = self.restarts = self.joins = 0
+        self.elastic = cfg.allocation.server.min_workers is not None
+        self.joined: set[int] = set()  # ranks that joined the run on their own (not started by the controller)
         self.restarting: dict[int, float] = {}  # rank -> the monotonic deadline by which it must register
         self._restarted_times: dict[int, int] = {}  # rank -> times it left the pool to restart
         self._changed = False  # the pool changed and the rollout workers have not been told
 
     def check(self) -> None:
         """Raise ``WorkerFailed`` if a server died and the run cannot go on without it; else drop or restart it."""
+        self._let_go_of_gone_joiners()
         try:
             self.group.check_alive()
         except WorkerFailed as failure:
@@ -80,6 +92,8 @@ class ServerPool:
                 continue
             if await self._load_and_add(rank, entry.address, self._restarted_times.get(rank, 0)):
                 del self.restarting[rank]
+        if self.elastic:
+            await self._add_joiners()
         if self._changed and self.episodes is not None:
             self._changed = False
             await self.episodes.set_servers(list(self.client.addresses))
@@ -88,6 +102,11 @@ class ServerPool:
         mode, rank = self.cfg.inference.on_server_exit, failure.worker
         if mode == "fail" or self.cfg.train.weight_sync != "disk":  # a process group would wait for the dead
             return False
+        if isinstance(failure, WorkerRequeued):  # Slurm gives it back by itself: no restart of ours
+            self._leave(failure.worker)
+            log.warning("%s; it leaves the pool until it registers again", failure)
+            self._say_if_below_min()
+            return True
         if not isinstance(rank, int):  # a Slurm job or step holding all of the role's servers has ended
             return mode == "restart" and self._restart_role(failure)
         if not hasattr(self.group, "restart"):
@@ -96,13 +115,14 @@ class ServerPool:
 
     def _drop(self, rank: int, failure: WorkerFailed) -> bool:
         live = self.client.addresses
-        if self.addresses[rank] not in live or len(live) < 2:
+        if self.addresses[rank] not in live or (len(live) < 2 and not self.elastic):
             return False
         self.group.drop(rank)
-        self.client.remove(self.addresses[rank])
+        self.client.remove(self.addresses[rank], last_ok=self.elastic)
         self.lost += 1
         self._changed = True
         log.warning("%s; it leaves the pool, %d servers go on (inference.on_server_exit=drop)", failure, len(live))
+        self._say_if_below_min()
         return True
 
     def _restart(self, rank: int, failure: WorkerFailed) -> bool:
@@ -111,6 +131,7 @@ class ServerPool:
         self._leave(rank)
         self.group.restart(rank)
         self._restarted(failure)
+        self._say_if_below_min()
         return True
 
     def _restart_role(self, failure: WorkerFailed) -> bool:
@@ -158,3 +179,41 @@ class ServerPool:
         version = "the initial ones" if loaded is None else f"version {loaded}"
         log.warning("server worker %d is back in the pool at %s with weights %s", rank, address, version)
         return True
+
+    def _say_if_below_min(self) -> None:
+        least, live = self.cfg.allocation.server.min_workers, len(self.client.addresses)
+        if least is not None and live < least:
+            log.warning(
+                "%d servers live, fewer than allocation.server.min_workers=%d: rollouts wait up to %g s for servers "
+                "to come back or join (python -m hpcrl.inference.join %s)",
+                *(live, least, self.client.no_server_timeout_s, self.group.registry.directory.parent),
+            )
+
+    async def _add_joiners(self) -> None:
+        """Servers that registered on their own (ranks the pool does not know) get the newest weights and join."""
+        for entry in self.group.registry.entries(ROLE):
+            if entry.rank in self.addresses or entry.rank in self.restarting:
+                continue
+            if await self._load_and_add(entry.rank, entry.address, 0):
+                self.joined.add(entry.rank)
+                self.joins += 1
+                log.warning("server %d joined the run from %s (node %s)", entry.rank, entry.address, entry.node)
+
+    def _let_go_of_gone_joiners(self) -> None:
+        """A joined server whose entry is gone (it stopped) or that the lease keeper lost leaves the pool for good:
+        the controller did not start it, so it neither restarts nor fails the run."""
+        registered = {(e.rank, e.address) for e in self.group.registry.entries(ROLE)}
+        for rank in sorted(self.joined):
+            why = self.group.lost.pop(rank, None)
+            if why is None and (rank, self.addresses[rank]) in registered:
+                continue
+            address = self.addresses.pop(rank)
+            self.joined.discard(rank)
+            if address in self.client.addresses:
+                self.client.remove(address, last_ok=True)
+            if (rank, address) in registered:  # lost, not gone: its entry must not bring it back (a new one may)
+                self.group.registry.unregister(ROLE, rank)
+            self.lost += 1
+            self._changed = True
+            log.warning("server %d, which joined at %s, left the run: %s", rank, address, why or "it unregistered")
+            self._say_if_below_min()
