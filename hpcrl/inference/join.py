@@ -62,11 +62,15 @@ class JoinRefused(UserError):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m hpcrl.inference.join", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m hpcrl.inference.join", description=__doc__.split("``: ", 1)[1].split("\n")[0]
+    )
     p.add_argument(
         "run_dir", type=Path, help="the running run's directory (with config.yaml and controller-lease.json)"
     )
-    p.add_argument("--rank", default=AUTO, type=_rank, help="the server rank to take (default: the first free one)")
+    p.add_argument(
+        "--rank", default=AUTO, type=_rank, metavar="auto|N", help="the server rank to take (auto: the first free one)"
+    )
     p.add_argument("--sbatch", action="store_true", help="print an sbatch script that joins a server; submit nothing")
     return p.parse_args(argv)
 
