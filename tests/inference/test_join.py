@@ -28,7 +28,7 @@ from hpcrl.config.schema import (
 from hpcrl.inference import join
 from hpcrl.launch.claims import Claim, claim_first_free, claim_path, try_claim
 from hpcrl.launch.controller_file import process_started, read_controller_file, write_controller_file
-from hpcrl.launch.lease import Lease
+from hpcrl.launch.lease import Lease, LeaseKeeper
 from hpcrl.launch.registry import Registry
 from hpcrl.launch.slots import PortSlots, worker_ports
 from hpcrl.rpc.auth import create_token
@@ -327,10 +327,14 @@ def test_join_a_real_server_registers_past_the_runs_ranks_serves_and_ends_with_i
         with urllib.request.urlopen(f"http://{entry.address}/health", timeout=10) as r:
             assert r.status == 200
         assert _renew(entry.extra["lease"], token, "another") is False  # held by this controller's lease alone
-        assert _renew(entry.extra["lease"], token, "c0ffee") is True
-        renewed = time.monotonic()
+        lost = []
+        with LeaseKeeper(registry, ["server"], "c0ffee", token, 3.0, lambda e, why: lost.append(e.rank)) as keeper:
+            time.sleep(2)  # the controller's keeper renews every registered server: the joined one too
+            key = ("server", 2, proc.pid, entry.extra["lease"])
+            assert proc.poll() is None and key in keeper.answered and keeper.errors == {} and lost == []
+        stopped = time.monotonic()
         assert proc.wait(timeout=30) == 143  # no renewal for lease_s (3 s): it SIGTERMs itself
-        assert time.monotonic() - renewed >= 3
+        assert time.monotonic() - stopped >= 2
         assert registry.entries("server") == []
         assert not psutil.pid_exists(entry.extra["server_pid"]) or _zombie(entry.extra["server_pid"])
         assert "no word from controller c0ffee" in run_dir.log_file("server", 2).read_text()
