@@ -131,13 +131,14 @@ class InferenceClient:
     def remove(self, server: str, *, last_ok: bool = False) -> None:
         """Take a dead server out of the pool: no new request and no control call goes to it again.
 
-        Requests already sent to it fail on their own (connection errors retry on the other servers). The
+        Requests already sent to it end now and go again on the other servers (a weight update sent to it fails). The
         last server goes only with ``last_ok`` (one that is restarting): requests then wait for ``add``."""
         if server not in self.addresses:
             raise ValueError(f"server {server!r} is not in the pool: {', '.join(self.addresses)}")
         if len(self.addresses) == 1 and not last_ok:
             raise ValueError(f"server {server!r} is the last one in the pool")
         self.addresses.remove(server)
+        self._http.leave(server)  # its requests in flight go to the others now, not at their deadline
         self._cursor %= max(len(self.addresses), 1)
         if len(self.addresses) < self.min_servers:
             self._has_servers.clear()

@@ -16,6 +16,11 @@ server; aiohttp resends only idempotent methods itself. A weight-update call, ne
 (a server that joins a collective twice waits for a partner that is not coming), is safe to send again
 then.
 
+A server that leaves the pool (``leave``: it died, or its node went silent) ends the attempts in flight on it at
+once, as retryable failures: a generate request goes on on another server instead of waiting out its deadline on
+a node that will never answer; a call that must reach that server (a weight update) fails, and its caller goes on
+without the server.
+
 What is not retried: HTTP 4xx (the request itself is wrong; the server's error body is in the message), a
 request that got no answer within its deadline (it already cost a whole deadline, and the server may still
 be working on it), and a malformed answer. Each attempt has a deadline (``aiohttp.ClientTimeout``), so a
@@ -65,6 +70,10 @@ class _Retryable(Exception):
     """An attempt failed in a way another attempt may fix."""
 
 
+class _Left(_Retryable):
+    """The server left the pool while the attempt ran: another server may answer at once, the same one never."""
+
+
 class _Stale(_Retryable):
     """The connection was closed under the request before an answer: the server never read it."""
 
@@ -82,11 +91,17 @@ class HttpPool:
         self.backoff_s = backoff_s
         self.max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        self._left: dict[str, asyncio.Event] = {}  # server -> set once it has left the pool (until it is added again)
 
     def add(self, address: str) -> None:
         """Know one more server (a restarted one, perhaps at a new address); a known one keeps its count."""
         self.urls.setdefault(address, _base_url(address))
         self.in_flight.setdefault(address, 0)
+        self._left.pop(address, None)
+
+    def leave(self, address: str) -> None:
+        """``address`` has left the pool: the attempts in flight on it end now, as failures another server may fix."""
+        self._left.setdefault(address, asyncio.Event()).set()
 
     async def open(self) -> None:
         connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0)
@@ -153,6 +168,7 @@ class HttpPool:
                     endpoint=endpoint,
                 ) from failure
             delay = min(self.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S) * random.uniform(0.5, 1.0)
+            delay *= not isinstance(failure, _Left)  # nothing to wait for: the pool no longer holds that server
             logger.warning(
                 "%s %s on %s failed (attempt %d of %d): %s; retrying in %.2f s",
                 *(method, endpoint, server, attempt, attempts, failure, delay),
@@ -222,6 +238,29 @@ class HttpPool:
         timeout_s: float | None,
         expect_json: bool,
         fresh: bool = False,
+    ) -> Any:
+        left = self._left.setdefault(server, asyncio.Event())
+        request = asyncio.ensure_future(self._request(server, method, endpoint, payload, timeout_s, expect_json, fresh))
+        leaving = asyncio.ensure_future(left.wait())
+        try:
+            await asyncio.wait((request, leaving), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (request, leaving):
+                task.cancel()
+            await asyncio.gather(request, leaving, return_exceptions=True)
+        if request.done() and not request.cancelled():
+            return request.result()
+        raise _Left(f"{server} left the pool (it died or went silent) before it answered")
+
+    async def _request(
+        self,
+        server: str,
+        method: str,
+        endpoint: str,
+        payload: Any,
+        timeout_s: float | None,
+        expect_json: bool,
+        fresh: bool,
     ) -> Any:
         deadline = self.timeout_s if timeout_s is None else timeout_s
         timeout = aiohttp.ClientTimeout(total=deadline, sock_connect=min(CONNECT_TIMEOUT_S, deadline))

@@ -6,7 +6,7 @@ import logging
 import pytest
 
 from hpcrl.inference.client import InferenceClient, InferenceError
-from tests.inference.test_client_fakes import fake_servers, run
+from tests.inference.test_client_fakes import fake_servers, run, wait_for_requests
 
 PARAMS = {"max_new_tokens": 3, "temperature": 1.0}
 
@@ -82,6 +82,24 @@ def test_the_client_counts_each_servers_answers_and_logs_its_first_with_the_weig
     assert sorted(answered.values()) == [1, 3]
     firsts = [r.getMessage() for r in caplog.records if r.getMessage().startswith("first answer from server")]
     assert len(firsts) == 2 and all("weight version" in line for line in firsts), firsts
+
+
+def test_a_request_in_flight_on_a_server_that_leaves_goes_on_another_at_once_and_a_weight_update_fails():
+    async def body():
+        async with fake_servers(2) as [silent, live], InferenceClient([silent.address, live.address]) as client:
+            silent.hang = True  # its node went silent: no answer, no reset
+            request = asyncio.create_task(client.generate([1], PARAMS, rid="r1"))
+            await wait_for_requests([silent], "/generate", 1)
+            silent.delay_s = 3600  # a weight update would hang there too
+            update = asyncio.create_task(client.update_weights_from_disk("/w/v2", 2))
+            await wait_for_requests([silent], "/update_weights_from_disk", 1)
+            client.remove(silent.address)
+            result = await asyncio.wait_for(request, 2)  # not the 120 s request deadline
+            assert result.server == live.address and live.bodies("/generate")[0]["rid"] == "r1"
+            with pytest.raises(InferenceError, match="left the pool"):
+                await asyncio.wait_for(update, 2)
+
+    run(body())
 
 
 def test_weights_can_go_to_one_server_only():
