@@ -114,6 +114,22 @@ def test_a_requeued_rank_is_reported_once_per_requeue_and_its_stale_entry_goes(t
     assert f.submitted == [(0, "100"), (1, "101")] and f.cancelled == [], "a requeued job comes back by itself"
 
 
+def test_a_running_rank_whose_worker_left_the_registry_counts_as_lost_after_a_grace(tmp_path, monkeypatch):
+    # a node cut off: its worker ends itself once its lease runs out (and unregisters, on a filesystem the cut left
+    # alone), while Slurm calls the job RUNNING until it calls the node down
+    f = Fleet(tmp_path, monkeypatch)
+    f.running()
+    f.registry.unregister("server", 1)
+    f.fleet.check_alive()  # within the grace: a requeue would show in squeue by now
+    monkeypatch.setattr(fleet_module, "UNREGISTERED_GRACE_S", 0.0)
+    with pytest.raises(WorkerFailed) as err:
+        f.fleet.check_alive()
+    assert err.value.worker == 1 and "on node n2 left the registry" in str(err.value), err.value
+    assert "its Slurm job 101 (node n2) is RUNNING" in str(err.value)
+    f.fleet.restart(1)  # a lost rank may be replaced though its job still runs
+    assert f.submitted[-1] == (1, "102") and f.cancelled == ["101"]
+
+
 def test_a_job_requeued_between_two_looks_is_known_by_its_registry_entry(tmp_path, monkeypatch):
     f = Fleet(tmp_path, monkeypatch)
     f.fleet.check_alive()  # both pending: nothing ran, nothing to report

@@ -47,6 +47,10 @@ BACK_IN_QUEUE = QUEUED_STATES | {"REQUEUE_HOLD", "REQUEUE_FED"}
 # final states Slurm may requeue a job submitted with --requeue from: read once more before taken for ended
 MAY_REQUEUE = frozenset({"PREEMPTED", "NODE_FAIL"})
 POLL_S = 0.5  # how often wait_ready looks at the jobs and the registry
+# a running job whose worker's entry has been gone this long has lost its worker (Slurm has not seen it yet: a node
+# cut off, whose worker ended itself once its lease ran out, is RUNNING until Slurm calls the node down); a requeue
+# shows in squeue within a second of its worker's end
+UNREGISTERED_GRACE_S = 5.0
 
 
 @dataclass
@@ -57,6 +61,8 @@ class RankJob:
     started: float | None = None  # monotonic time the fleet first saw the job run (since it was last queued)
     queued_since: float | None = None  # monotonic time the fleet first saw it waiting in the queue, this time
     rechecked: bool = False  # its PREEMPTED or NODE_FAIL was read once more (MAY_REQUEUE)
+    node: str = ""  # the node its worker registered from ("" until it has)
+    unregistered_since: float | None = None  # monotonic time its worker's entry was first seen gone while it runs
 
 
 class SlurmFleet(WorkerGroup):
@@ -168,9 +174,26 @@ class SlurmFleet(WorkerGroup):
                 raise self._requeue(rank, state)
             if state.state not in BACK_IN_QUEUE:
                 self.ranks[rank].started = self.ranks[rank].started or time.monotonic()
+                self._check_registered(rank)
             why = self.lost.get(rank)
             if why is not None:
                 raise WorkerFailed(self.role, rank, f"{why} ({self._where(rank)} is {state})", "")
+
+    def _check_registered(self, rank: int) -> None:
+        """A running rank whose worker registered and whose entry has since been gone for ``UNREGISTERED_GRACE_S``
+        counts as lost (its worker ended, or ends, while Slurm still counts the job as running)."""
+        r = self.ranks[rank]
+        entry = next((e for e in self.registry.entries(self.role) if e.rank == rank), None)
+        if entry is not None:
+            r.node, r.unregistered_since = entry.node, None
+            return
+        if not r.node:  # it has not registered yet
+            return
+        r.unregistered_since = r.unregistered_since or time.monotonic()
+        gone_s = time.monotonic() - r.unregistered_since
+        if gone_s > UNREGISTERED_GRACE_S:
+            why = f"on node {r.node} left the registry {gone_s:.0f} s ago while its job runs: its worker has ended"
+            self.lost.setdefault(rank, why)
 
     def _state(self, rank: int) -> JobState:
         """Rank ``rank``'s job's state; a final one that Slurm may requeue from is read once more first."""
@@ -203,7 +226,8 @@ class SlurmFleet(WorkerGroup):
     def _where(self, rank: int) -> str:
         """``its Slurm job 123 (node n2)``: the node the worker registered from, when it did."""
         entry = next((e for e in self.registry.entries(self.role) if e.rank == rank), None)
-        return f"its Slurm job {self.ranks[rank].job}" + (f" (node {entry.node})" if entry else "")
+        node = entry.node if entry else self.ranks[rank].node
+        return f"its Slurm job {self.ranks[rank].job}" + (f" (node {node})" if node else "")
 
     def _failure(self, rank: int, what: str, state: JobState) -> WorkerFailed:
         return WorkerFailed(self.role, rank, what, *self._report(rank, state))
