@@ -46,6 +46,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tool-call-parser", default="none", choices=TOOL_PARSERS, help="how chat answers' tool calls are read"
     )
     p.add_argument("--served-model-name", default="", help="the model's name on /v1 routes; default: the model path")
+    p.add_argument(
+        "--is-embedding",
+        action="store_true",
+        help="serve a sequence-classification model (reward model) on /classify",
+    )
     p.add_argument("--rank", default=os.environ.get("HPCRL_RANK", "0"), help="worker rank, for log lines")
     add_lora_args(p)
     args = p.parse_args(argv)
@@ -123,6 +128,15 @@ def serve(args: argparse.Namespace) -> None:
     from aiohttp import web
 
     from hpcrl.gc_freeze import freeze_startup_heap
+    from hpcrl.inference.server.classify import reward_model_kind
+
+    try:
+        reward_model = reward_model_kind(args.model_path, args.is_embedding)
+    except (OSError, ValueError) as e:
+        raise UserError(str(e), "give a model directory whose config.json names a class SGLang serves") from None
+    if reward_model:
+        serve_reward_model(args)
+        return
     from hpcrl.inference.context import context_length
     from hpcrl.inference.openai.chat import ChatFormat
     from hpcrl.inference.server.app import Server
@@ -168,6 +182,40 @@ def serve(args: argparse.Namespace) -> None:
     app = server.app()
     freeze_startup_heap("server")  # the model is loaded; what requests allocate is collected as before
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+
+
+def serve_reward_model(args: argparse.Namespace) -> None:
+    """A sequence-classification model on SGLang's ``/classify`` (``classify.py``); generation settings do not apply."""
+    from aiohttp import web
+
+    from hpcrl.gc_freeze import freeze_startup_heap
+    from hpcrl.inference.context import context_length
+    from hpcrl.inference.server.classify import ClassifyRunner, ClassifyServer
+
+    refuse_generation_flags(args)
+    threads = set_torch_threads(args.torch_threads)
+    context = args.context_length or context_length(args.model_path)
+    server = ClassifyServer(ClassifyRunner(args.model_path, args.dtype), context, args.weight_version)
+    log.info("serving reward model %s on %s port %d (context length %d, torch threads %d)",
+             args.model_path, args.host, args.port, context, threads)  # fmt: skip
+    app = server.app()
+    freeze_startup_heap("server")
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+
+
+def refuse_generation_flags(args: argparse.Namespace) -> None:
+    """A reward model has nothing to generate, update or adapt: a flag for that would be silently ignored."""
+    flags = {
+        "--tp-size": args.tp_size != 1,
+        "--enable-lora": args.lora.enabled,
+        "--chat-template": bool(args.chat_template),
+        "--allow-auto-truncate": args.allow_auto_truncate,
+        "--tool-call-parser": args.tool_call_parser != "none",
+        "--served-model-name": bool(args.served_model_name),
+    }
+    given = [flag for flag, on in flags.items() if on]
+    if given:
+        raise UserError(f"{', '.join(given)} with a reward model", "the CPU server scores reward models on one rank")
 
 
 def set_torch_threads(requested: int) -> int:

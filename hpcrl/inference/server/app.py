@@ -43,6 +43,7 @@ from aiohttp import web
 from hpcrl.inference.context import fit, served
 from hpcrl.inference.openai.chat import ChatFormat
 from hpcrl.inference.server import requests
+from hpcrl.inference.server.classify import refuse_classify
 from hpcrl.inference.server.lora import Adapters, LoraSettings
 from hpcrl.inference.server.openai_routes import OpenAIRoutes
 from hpcrl.inference.server.protocol import lora_paths, output_text, parse_generate, response
@@ -99,6 +100,8 @@ class Server:
                 post("/pause_generation", self.pause),
                 post("/continue_generation", self.resume),
                 post("/abort_request", self.abort),
+                post("/classify", refuse_classify),  # a generation model: SGLang's 400 (classify.py)
+                post("/encode", refuse_classify),
                 *self.weights.routes(),
                 *self.adapters.routes(),
                 *self.openai.routes(),
