@@ -79,6 +79,20 @@ def test_a_batch_scores_as_the_models_own_forward_with_sglangs_answer(reward_ser
     assert status == 200 and single["embedding"] == pytest.approx(expected[1], abs=1e-5)
 
 
+def test_the_head_reads_the_last_token_even_when_it_is_the_pad_id(reward_server, reward_model):
+    """SGLang pools the last position; transformers' own pooling skips trailing pad ids (0 here)."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model).eval()
+    ids = [5, 6, 0, 0]
+    with torch.inference_mode():
+        last = model.score(model.model(torch.tensor([ids])).last_hidden_state[:, -1])[0].tolist()
+        transformers_own = model(torch.tensor([ids])).logits[0].tolist()
+    status, answer = reward_server.post("/classify", {"input_ids": ids})
+    assert status == 200 and answer["embedding"] == pytest.approx(last, abs=1e-5)
+    assert transformers_own != pytest.approx(last, abs=1e-5)  # the two poolings differ on this prompt
+
+
 def test_text_is_tokenized_and_scored_as_its_ids(reward_server, reward_model):
     from hpcrl.models.tokenizer import load_tokenizer
 
