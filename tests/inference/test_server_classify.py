@@ -115,6 +115,7 @@ def test_model_info_and_health_of_a_reward_model(reward_server):
     [
         ({"input_ids": [1, 2], "text": "1"}, "text and input_ids cannot be provided at the same time"),
         ({"rid": "x"}, "At least one of text, input_ids"),
+        ({"text": []}, "text must be a string or a non-empty list of strings"),
         ({"input_ids": [[4, 5], [6]], "rid": ["r", "r"]}, "Duplicate request IDs detected within the request"),
         ({"input_ids": [[4, 5], [6]], "rid": "r"}, "The rid should be a list."),
         ({"input_ids": [4, 10_000]}, "input_ids[1]=10000 is not a token id"),

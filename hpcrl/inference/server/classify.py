@@ -135,20 +135,27 @@ def parse_classify(body: Any, tokenize, vocab_size: int, context: int) -> tuple[
         raise RequestError("At least one of text, input_ids, image, video, or audio should be provided")
     if text is not None and ids is not None:
         raise RequestError("text and input_ids cannot be provided at the same time")
-    if text is not None:
-        single = isinstance(text, str)
-        texts = [text] if single else text
-        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-            raise RequestError("text must be a string or a list of strings")
-        prompts = [tokenize(t) for t in texts]
-    else:
-        single = isinstance(ids, list) and bool(ids) and not isinstance(ids[0], list)
-        prompts = [ids] if single else ids
-    if not isinstance(prompts, list) or not prompts:
-        raise RequestError("input_ids must be a non-empty list of token ids or a non-empty batch of them")
+    prompts, single = _text_prompts(text, tokenize) if text is not None else _id_prompts(ids)
     for i, prompt in enumerate(prompts):
         _check_prompt(prompt, "input_ids" if single else f"input_ids[{i}]", vocab_size, context)
     return prompts, _rids(body.get("rid"), len(prompts), single), single
+
+
+def _text_prompts(text: Any, tokenize) -> tuple[list[Any], bool]:
+    """``text``'s prompts, tokenized, and whether it is one prompt."""
+    single = isinstance(text, str)
+    texts = [text] if single else text
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+        raise RequestError("text must be a string or a non-empty list of strings")
+    return [tokenize(t) for t in texts], single
+
+
+def _id_prompts(ids: Any) -> tuple[list[Any], bool]:
+    """``input_ids``' prompts (checked by ``_check_prompt``) and whether it is one prompt."""
+    if not isinstance(ids, list) or not ids:
+        raise RequestError("input_ids must be a non-empty list of token ids or a non-empty batch of them")
+    single = not isinstance(ids[0], list)
+    return ([ids] if single else ids), single
 
 
 def _check_prompt(ids: Any, where: str, vocab_size: int, context: int) -> None:
