@@ -176,3 +176,13 @@ def test_which_models_are_served_as_reward_models(reward_model, tiny_model, tmp_
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2ForSequenceClassification"]}))
     with pytest.raises(ValueError, match=r"SGLang 0\.5\.23 serves only"):
         reward_model_kind(tmp_path, is_embedding=False)
+
+
+def test_generation_flags_with_a_reward_model_are_refused_not_ignored():
+    from hpcrl.errors import UserError
+    from hpcrl.inference.server.__main__ import parse_args, refuse_generation_flags
+
+    refuse_generation_flags(parse_args(["--model-path", "/m", "--port", "1", "--is-embedding"]))
+    args = parse_args(["--model-path", "/m", "--port", "1", "--tp-size", "2", "--allow-auto-truncate"])
+    with pytest.raises(UserError, match="--tp-size, --allow-auto-truncate with a reward model"):
+        refuse_generation_flags(args)
