@@ -104,7 +104,8 @@ class ServerPool:
             return False
         if isinstance(failure, WorkerRequeued):  # Slurm gives it back by itself: no restart of ours
             self._leave(failure.worker)
-            log.warning("%s; it leaves the pool until it registers again", failure)
+            rank = failure.worker
+            log.warning("server worker %s leaves the pool until it registers again (no restart): %s", rank, failure)
             self._say_if_below_min()
             return True
         if not isinstance(rank, int):  # a Slurm job or step holding all of the role's servers has ended
@@ -163,8 +164,11 @@ class ServerPool:
         limit = self.cfg.inference.max_restarts
         log.warning("%s; restarting it (restart %d of inference.max_restarts=%d)", failure, self.restarts, limit)
 
-    async def _load_and_add(self, rank: int, address: str, restarted_times: int) -> bool:
-        """Give a restarted server the newest weights and put it in the pool; False to try again later."""
+    async def _load_and_add(
+        self, rank: int, address: str, restarted_times: int, came: str = "is back in the pool"
+    ) -> bool:
+        """Give a restarted (or joining) server the newest weights and put it in the pool; False to try again later.
+        ``came`` says how it came, in the line logged."""
         async with self.sync.lock:  # no weight sync runs meanwhile: the export read here is the newest
             try:
                 loaded = await self.sync.load_current([address])  # the weights, or with LoRA the adapter
@@ -177,7 +181,7 @@ class ServerPool:
         self.addresses[rank] = address
         self._changed = True
         version = "the initial ones" if loaded is None else f"version {loaded}"
-        log.warning("server worker %d is back in the pool at %s with weights %s", rank, address, version)
+        log.warning("server worker %d %s at %s with weights %s", rank, came, address, version)
         return True
 
     def _say_if_below_min(self) -> None:
@@ -194,10 +198,9 @@ class ServerPool:
         for entry in self.group.registry.entries(ROLE):
             if entry.rank in self.addresses or entry.rank in self.restarting:
                 continue
-            if await self._load_and_add(entry.rank, entry.address, 0):
+            if await self._load_and_add(entry.rank, entry.address, 0, f"joined the run from node {entry.node}"):
                 self.joined.add(entry.rank)
                 self.joins += 1
-                log.warning("server %d joined the run from %s (node %s)", entry.rank, entry.address, entry.node)
 
     def _let_go_of_gone_joiners(self) -> None:
         """A joined server whose entry is gone (it stopped) or that the lease keeper lost leaves the pool for good:

@@ -101,6 +101,7 @@ class InferenceClient:
             raise ValueError(f"min_servers must be >= 1, got {min_servers}")
         self.min_servers = min_servers
         self.answered: Counter[str] = Counter()  # server -> generations it answered (a batch counts each prompt)
+        self._heard: set[str] = set()  # servers that answered since they (last) entered the pool
         self._has_servers = asyncio.Event()  # clear while the pool holds fewer than min_servers
         self._has_servers.set()
 
@@ -139,6 +140,7 @@ class InferenceClient:
             raise ValueError(f"server {server!r} is the last one in the pool")
         self.addresses.remove(server)
         self._http.leave(server)  # its requests in flight go to the others now, not at their deadline
+        self._heard.discard(server)
         self._cursor %= max(len(self.addresses), 1)
         if len(self.addresses) < self.min_servers:
             self._has_servers.clear()
@@ -236,10 +238,11 @@ class InferenceClient:
         return self._counted([parse_result(chosen, item, return_logprob) for item in answer])
 
     def _counted(self, results: list[GenerateResult]) -> list[GenerateResult]:
-        """Count the answers of each server (``answered``); a server's first answer is logged with its weight
-        version, which says that a server that joined the pool serves the weights the others do."""
+        """Count the answers of each server (``answered``); a server's first answer since it entered the pool is
+        logged with its weight version, which says that a server that (re)joined serves the weights the others do."""
         server = results[0].server
-        if not self.answered[server]:
+        if server not in self._heard:
+            self._heard.add(server)
             logger.info("first answer from server %s: weight version %s", server, results[0].weight_version)
         self.answered[server] += len(results)
         return results

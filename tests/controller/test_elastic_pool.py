@@ -102,12 +102,14 @@ def test_a_requeued_server_leaves_and_rejoins_with_the_newest_weights_and_is_no_
     assert pool.addresses[0] == "h2:200" and not pool.restarting
 
 
-def test_a_server_that_joins_loads_the_newest_weights_before_it_takes_requests_and_leaves_for_good(tmp_path):
+def test_a_server_that_joins_loads_the_newest_weights_before_it_takes_requests_and_leaves_for_good(tmp_path, caplog):
     pool = pool_of(tmp_path, workers=1, min_workers=1)
     pool.group.registry.register(Entry("server", 5, "j", 300))
-    asyncio.run(pool.rejoin())
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(pool.rejoin())
     assert pool.sync.loaded == [(["j:300"], 7)] and pool.client.addresses == ["h:100", "j:300"]
     assert (pool.joins, pool.joined) == (1, {5})
+    assert "server worker 5 joined the run from node" in caplog.text and "with weights version 7" in caplog.text
     asyncio.run(pool.rejoin())
     assert pool.joins == 1, "it joins once"
     pool.group.registry.unregister("server", 5)  # it stopped

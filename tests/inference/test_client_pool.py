@@ -75,13 +75,16 @@ def test_the_client_counts_each_servers_answers_and_logs_its_first_with_the_weig
             client.add(b.address)
             await client.generate_many([[1], [2]], PARAMS, server=b.address)
             await client.generate([1], PARAMS, server=b.address)
+            client.remove(b.address)  # it left, and comes back at the same address (a requeued server)
+            client.add(b.address)
+            await client.generate([1], PARAMS, server=b.address)
             return client.answered
 
     with caplog.at_level(logging.INFO, logger="hpcrl.inference.client"):
         answered = run(body())
-    assert sorted(answered.values()) == [1, 3]
+    assert sorted(answered.values()) == [1, 4]
     firsts = [r.getMessage() for r in caplog.records if r.getMessage().startswith("first answer from server")]
-    assert len(firsts) == 2 and all("weight version" in line for line in firsts), firsts
+    assert len(firsts) == 3 and all("weight version" in line for line in firsts), firsts
 
 
 def test_a_request_in_flight_on_a_server_that_leaves_goes_on_another_at_once_and_a_weight_update_fails():
