@@ -103,6 +103,7 @@ class InferenceClient:
         self.answered: Counter[str] = Counter()  # server -> generations it answered (a batch counts each prompt)
         self._heard: set[str] = set()  # servers that answered since they (last) entered the pool
         self._has_servers = asyncio.Event()  # clear while the pool holds fewer than min_servers
+        self._said_waiting = False  # the wait while the pool holds too few servers was logged (once per wait)
         self._has_servers.set()
 
     async def __aenter__(self) -> InferenceClient:
@@ -142,8 +143,9 @@ class InferenceClient:
         self._http.leave(server)  # its requests in flight go to the others now, not at their deadline
         self._heard.discard(server)
         self._cursor %= max(len(self.addresses), 1)
-        if len(self.addresses) < self.min_servers:
+        if len(self.addresses) < self.min_servers and self._has_servers.is_set():
             self._has_servers.clear()
+            self._said_waiting = False
 
     def add(self, server: str) -> None:
         """Put a server (back) into the pool, e.g. one restarted after it died: requests go to it from now."""
@@ -507,7 +509,9 @@ class InferenceClient:
         """``pick``, once the pool has ``min_servers``: while it has fewer, wait for servers to join (a deadline)."""
         if len(self.addresses) < self.min_servers:
             live, least, wait_s = len(self.addresses), self.min_servers, self.no_server_timeout_s
-            logger.info("%d of at least %d servers in the pool; waiting up to %g s for more", live, least, wait_s)
+            if not self._said_waiting:  # once, not for each of the requests that wait
+                self._said_waiting = True
+                logger.info("%d of at least %d servers in the pool; waiting up to %g s for more", live, least, wait_s)
             try:
                 await asyncio.wait_for(self._has_servers.wait(), wait_s)
             except TimeoutError:

@@ -53,19 +53,23 @@ def test_the_wait_for_a_server_has_a_deadline():
     run(body())
 
 
-def test_below_min_servers_new_requests_wait_for_a_server_to_join_an_elastic_fleet():
+def test_below_min_servers_new_requests_wait_for_a_server_to_join_an_elastic_fleet(caplog):
     async def body():
         async with fake_servers(3) as [a, b, joiner], InferenceClient([a.address, b.address], min_servers=2) as client:
             assert (await client.generate([1], PARAMS)).server in (a.address, b.address)
             client.remove(b.address)  # one of two died: one is live, fewer than 2
-            waiting = asyncio.create_task(client.generate([1], PARAMS))
+            waiting = [asyncio.create_task(client.generate([1], PARAMS)) for _ in range(3)]
             await asyncio.sleep(0.3)
-            assert not waiting.done(), "below min_servers a request must wait, not go to the one live server"
+            assert not any(w.done() for w in waiting), "below min_servers requests wait, not go to the live server"
             client.add(joiner.address)
-            assert (await asyncio.wait_for(waiting, 5)).server in (a.address, joiner.address)
-            assert len(a.bodies("/generate")) + len(joiner.bodies("/generate")) == 2
+            results = await asyncio.wait_for(asyncio.gather(*waiting), 5)
+            assert {r.server for r in results} <= {a.address, joiner.address}
+            assert len(a.bodies("/generate")) + len(joiner.bodies("/generate")) == 4
 
-    run(body())
+    with caplog.at_level(logging.INFO, logger="hpcrl.inference.client"):
+        run(body())
+    said = [r.getMessage() for r in caplog.records if "servers in the pool; waiting" in r.getMessage()]
+    assert said == ["1 of at least 2 servers in the pool; waiting up to 600 s for more"], "once, not per request"
 
 
 def test_the_client_counts_each_servers_answers_and_logs_its_first_with_the_weight_version(caplog):
