@@ -29,8 +29,10 @@ HOST = ipaddress.ip_address("198.51.100.1")  # this machine on the test cluster'
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "sync", "family", "algorithm"),
-    [("hetjob", "disk", "auto", "ppo"), ("per_role", "disk", "auto", "ppo"),
-     ("per_role", "distributed", "auto", "grpo"), ("hetjob", "distributed", "ipv6", "grpo")],
+    # each mode, weight sync and algorithm at least once; PPO's critic as a hetjob component runs in
+    # tests/slurm/test_job_failures.py (its rank killed), so the hetjob-disk-ppo run it repeated is gone (73 s)
+    [("per_role", "disk", "auto", "ppo"), ("per_role", "distributed", "auto", "grpo"),
+     ("hetjob", "distributed", "ipv6", "grpo")],
 )  # fmt: skip
 def test_tiny_job_runs_its_workers_as_slurm_jobs(slurm_cluster, job_prefix, tmp_path, mode, sync, family, algorithm):
     experiment = job_prefix.removeprefix("hpcrl-").rstrip("-")  # job names: hpcrl-<experiment>-<role>...
