@@ -47,14 +47,13 @@ from hpcrl.inference.server.classify import refuse_classify
 from hpcrl.inference.server.lora import Adapters, LoraSettings
 from hpcrl.inference.server.openai_routes import OpenAIRoutes
 from hpcrl.inference.server.protocol import lora_paths, output_text, parse_generate, response
-from hpcrl.inference.server.requests import read_body
+from hpcrl.inference.server.requests import MAX_BODY_BYTES, errors_as_json, read_body
 from hpcrl.inference.server.runner import ModelRunner
 from hpcrl.inference.server.sampling import RequestError, SamplingParams
 from hpcrl.inference.server.scheduler import Scheduler, Sequence
 from hpcrl.inference.server.weights import WeightUpdates
 
 log = logging.getLogger(__name__)
-MAX_BODY_BYTES = 64 << 20
 HEALTH_TIMEOUT_ENV = "SGLANG_HEALTH_CHECK_TIMEOUT"  # SGLang's variable for its HEALTH_CHECK_TIMEOUT, read as here
 HEALTH_TIMEOUT_S = 20  # its default, in whole seconds
 HEALTH_RID_PREFIX = "HEALTH_CHECK"
@@ -86,7 +85,7 @@ class Server:
         self.loop_task: asyncio.Task | None = None
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors_as_json])
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[errors_as_json])
         get, post = web.get, web.post
         app.add_routes(
             [
@@ -262,15 +261,6 @@ def _flush_timeout(raw: str) -> float | web.Response:
     message = f"timeout={raw!r}: Input should be greater than or equal to 0 (a number of seconds)"
     body = {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
     return web.json_response(body, status=400)
-
-
-@web.middleware
-async def _errors_as_json(request: web.Request, handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except RequestError as e:
-        log.warning("%s %s: %s", request.method, request.path, e)
-        return web.json_response({"error": {"message": str(e)}}, status=400)
 
 
 async def _json(request: web.Request) -> Any:

@@ -50,6 +50,7 @@ import torch
 from aiohttp import web
 
 from hpcrl.inference.context import fit
+from hpcrl.inference.server.requests import MAX_BODY_BYTES, errors_as_json
 from hpcrl.inference.server.runner import DTYPES
 from hpcrl.inference.server.sampling import RequestError
 
@@ -195,9 +196,7 @@ class ClassifyServer:
         self._lock = asyncio.Lock()
 
     def app(self) -> web.Application:
-        from hpcrl.inference.server.app import MAX_BODY_BYTES, _errors_as_json
-
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors_as_json])
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[errors_as_json])
         get, post = web.get, web.post
         app.add_routes(
             [

@@ -9,6 +9,7 @@ is a 400 naming it, as in SGLang; an unknown field is a 400 too, where SGLang wo
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,9 @@ from aiohttp import web
 
 from hpcrl.inference.server.sampling import RequestError
 
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 << 20  # the largest request body a server's app takes
 _ANY = object()
 
 
@@ -121,3 +125,13 @@ async def read_body(request: web.Request, fields: dict[str, Field]) -> dict[str,
         if spec.only is not _ANY and value != spec.only:
             raise RequestError(f"{name}={value!r} is not supported by hpcrl's CPU server (only {spec.only!r})")
     return body
+
+
+@web.middleware
+async def errors_as_json(request: web.Request, handler) -> web.StreamResponse:
+    """A ``RequestError`` raised by a route: SGLang's 400 with the message (logged)."""
+    try:
+        return await handler(request)
+    except RequestError as e:
+        log.warning("%s %s: %s", request.method, request.path, e)
+        return web.json_response({"error": {"message": str(e)}}, status=400)
