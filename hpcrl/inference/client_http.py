@@ -144,7 +144,8 @@ class HttpPool:
             server = await choose(tried)
             self.in_flight[server] += count
             try:
-                return server, await self._send(server, method, endpoint, payload, timeout_s, expect_json, fresh)
+                send = self._send(server, method, endpoint, payload, timeout_s, expect_json, fresh)
+                return server, await self._unless_left(server, send)
             except _Stale as error:
                 failure: _Retryable = error
                 if not fresh:  # once per call, not counted: see the module's docstring
@@ -229,18 +230,10 @@ class HttpPool:
         except aiohttp.ClientError as error:
             return f"{type(error).__name__}: {error}"
 
-    async def _send(
-        self,
-        server: str,
-        method: str,
-        endpoint: str,
-        payload: Any,
-        timeout_s: float | None,
-        expect_json: bool,
-        fresh: bool = False,
-    ) -> Any:
+    async def _unless_left(self, server: str, attempt: Awaitable[Any]) -> Any:
+        """``attempt``'s answer, unless ``server`` leaves the pool first: then ``_Left``."""
         left = self._left.setdefault(server, asyncio.Event())
-        request = asyncio.ensure_future(self._request(server, method, endpoint, payload, timeout_s, expect_json, fresh))
+        request = asyncio.ensure_future(attempt)
         leaving = asyncio.ensure_future(left.wait())
         try:
             await asyncio.wait((request, leaving), return_when=asyncio.FIRST_COMPLETED)
@@ -252,7 +245,7 @@ class HttpPool:
             return request.result()
         raise _Left(f"{server} left the pool (it died or went silent) before it answered")
 
-    async def _request(
+    async def _send(
         self,
         server: str,
         method: str,
@@ -260,7 +253,7 @@ class HttpPool:
         payload: Any,
         timeout_s: float | None,
         expect_json: bool,
-        fresh: bool,
+        fresh: bool = False,
     ) -> Any:
         deadline = self.timeout_s if timeout_s is None else timeout_s
         timeout = aiohttp.ClientTimeout(total=deadline, sock_connect=min(CONNECT_TIMEOUT_S, deadline))
