@@ -139,6 +139,16 @@ def test_a_job_requeued_between_two_looks_is_known_by_its_registry_entry(tmp_pat
     assert err.value.worker == 1 and f.registered() == []
 
 
+def test_a_worker_that_registered_within_a_cached_queued_state_is_not_taken_for_requeued(tmp_path, monkeypatch):
+    # the state is up to cache_s old: a replacement whose worker registered right after its job started still reads
+    # PENDING; a fresh look says RUNNING, and its entry must stay (before, it was removed and never seen ready)
+    f = Fleet(tmp_path, monkeypatch)
+    f.register(1)
+    f.watcher.after_forget[f.fleet.rank_jobs[1].name] = RUNNING
+    f.fleet.check_alive()
+    assert f.registered() == [1]
+
+
 def test_a_preempted_job_is_read_once_more_before_it_counts_as_ended(tmp_path, monkeypatch):
     f = Fleet(tmp_path, monkeypatch)
     f.running()

@@ -36,7 +36,7 @@ from pathlib import Path
 from hpcrl.launch.base import RoleSpec, WorkerFailed, WorkerGroup, WorkerRequeued
 from hpcrl.launch.process import _signals_held, read_tail
 from hpcrl.launch.registry import Entry, Registry
-from hpcrl.launch.slurm.group import JOB_LOG_LINES, LOG_LINES, QUEUED_STATES
+from hpcrl.launch.slurm.group import JOB_LOG_LINES, LOG_LINES, QUEUED_STATES, check_queue_wait
 from hpcrl.launch.slurm.watch import JobRef, JobState, JobWatcher, cancel, wait_gone
 from hpcrl.rundir import RunDir
 
@@ -152,12 +152,9 @@ class SlurmFleet(WorkerGroup):
                 continue
             waiting = True
             r.queued_since = r.queued_since or time.monotonic()
-            waited = time.monotonic() - r.queued_since
-            if self.queue_timeout_s is not None and waited > self.queue_timeout_s:
-                raise TimeoutError(
-                    f"{self.role} worker {rank}: Slurm job {r.job} is still {state} after {waited:.0f} s in the "
-                    "queue; raise cluster.queue_timeout_min (0 = no limit) or ask for fewer resources"
-                )
+            check_queue_wait(
+                f"{self.role} worker {rank}", r.job, state, time.monotonic() - r.queued_since, self.queue_timeout_s
+            )
         return waiting
 
     # --- failures -----------------------------------------------------------------------------------------
@@ -211,7 +208,15 @@ class SlurmFleet(WorkerGroup):
         if state.state not in BACK_IN_QUEUE:
             return False
         r = self.ranks[rank]
-        return r.started is not None or any(e.rank == rank for e in self.registry.entries(self.role))
+        if r.started is not None:
+            return True
+        if not any(e.rank == rank for e in self.registry.entries(self.role)):
+            return False
+        # the entry may be newer than the cached state (a worker registers once its job runs, and a state may be
+        # cache_s old): read it anew, else a replacement that registered within cache_s of its start would be taken
+        # for requeued and its entry removed, and it would never be seen ready
+        self.watcher.forget(r.job)
+        return self.watcher.state(r.job).state in BACK_IN_QUEUE
 
     def _requeue(self, rank: int, state: JobState) -> WorkerRequeued:
         """Forget what rank ``rank``'s worker was (its entry, its lost mark, its start); the failure saying so."""

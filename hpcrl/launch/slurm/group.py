@@ -104,11 +104,7 @@ class SlurmWorkerGroup(WorkerGroup):
             return False
         self._queued_since = self._queued_since or time.monotonic()
         waited = time.monotonic() - self._queued_since
-        if self.queue_timeout_s is not None and waited > self.queue_timeout_s:
-            raise TimeoutError(
-                f"{self.role}: Slurm job {self.job} is still {state} after {waited:.0f} s in the queue; "
-                "raise cluster.queue_timeout_min (0 = no limit) or ask for fewer resources"
-            )
+        check_queue_wait(self.role, self.job, state, waited, self.queue_timeout_s)
         return True
 
     def check_alive(self) -> None:
@@ -178,6 +174,16 @@ class SlurmWorkerGroup(WorkerGroup):
             if p.stem[len(self.role) + 1 :].isdigit()
         ]
         return max(logs, key=lambda p: p.stat().st_mtime, default=None)
+
+
+def check_queue_wait(what: str, job: JobRef, state: JobState, waited_s: float, timeout_s: float | None) -> None:
+    """TimeoutError naming ``what`` (a role, or one of its workers) once ``job`` has waited in the queue longer than
+    ``timeout_s`` (None: no limit)."""
+    if timeout_s is not None and waited_s > timeout_s:
+        raise TimeoutError(
+            f"{what}: Slurm job {job} is still {state} after {waited_s:.0f} s in the queue; "
+            "raise cluster.queue_timeout_min (0 = no limit) or ask for fewer resources"
+        )
 
 
 def _job_tail(path: Path) -> str:
