@@ -138,12 +138,13 @@ def serve(cfg: Config, run_dir: RunDir, rank: int, signals: _Signals) -> int:
         if lease is not None:
             extra["lease"] = lease.serve(read_token(run_dir.path), bind, lease_port, advertised)
         entry = Entry(ROLE, rank, advertised, port, extra=extra)
-        registered = Registry(run_dir.registry).register(entry)
+        registry = Registry(run_dir.registry)
+        registered = registry.register(entry)
         log.info("ready: serving at %s (registered in %s)", entry.address, registered)
         try:
             return _watch(server.child, signals)
         finally:
-            registered.unlink(missing_ok=True)  # an entry must not outlive the server it names
+            registry.unregister_own(entry)  # an entry must not outlive the server it names
     except _Stopped as e:
         log.info("%s: stopping the server", e)
         return 128 + e.signum

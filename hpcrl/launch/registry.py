@@ -51,6 +51,17 @@ class Registry:
         """Forget one worker's entry (it died; the one that replaces it registers anew)."""
         (self.directory / f"{role}-{rank}.json").unlink(missing_ok=True)
 
+    def unregister_own(self, entry: Entry) -> None:
+        """Forget ``entry`` as the worker that registered it leaves, unless another process has registered the same
+        role and rank since (a replacement started while this worker was cut off, or still ending)."""
+        path = self.directory / f"{entry.role}-{entry.rank}.json"
+        try:
+            now = json.loads(path.read_text())
+        except (FileNotFoundError, ValueError):
+            return
+        if (now.get("pid"), now.get("node")) == (entry.pid, entry.node):
+            path.unlink(missing_ok=True)
+
     def clear(self, role: str) -> None:
         for p in self.directory.glob(f"{role}-*.json"):
             p.unlink(missing_ok=True)

@@ -194,14 +194,15 @@ async def _serve_registered(
     )
     server.start_in_thread()
     extra = {"lease": lease.serve(token, bind, lease_port, advertised)} if lease else {}
-    registered = Registry(run_dir.registry).register(Entry(ROLE, rank, advertised, port, extra=extra))
+    entry, registry = Entry(ROLE, rank, advertised, port, extra=extra), Registry(run_dir.registry)
+    registered = registry.register(entry)
     log.info("ready: rollout RPC at %s (registered in %s)", server.address, registered)
     freeze_startup_heap("rollout")
     try:
         while not signals and not _stopped(server):
             await asyncio.sleep(_POLL_S)
     finally:
-        registered.unlink(missing_ok=True)  # an entry must not outlive the server it names
+        registry.unregister_own(entry)  # an entry must not outlive the server it names
         server.stop()
         await _wait_stopped(server)
         await service.cancel_running()
