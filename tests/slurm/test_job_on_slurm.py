@@ -30,9 +30,9 @@ HOST = ipaddress.ip_address("198.51.100.1")  # this machine on the test cluster'
 @pytest.mark.parametrize(
     ("mode", "sync", "family", "algorithm"),
     # each mode, weight sync and algorithm at least once; PPO's critic as a hetjob component runs in
-    # tests/slurm/test_job_failures.py (its rank killed), so the hetjob-disk-ppo run it repeated is gone (73 s)
-    [("per_role", "disk", "auto", "ppo"), ("per_role", "distributed", "auto", "grpo"),
-     ("hetjob", "distributed", "ipv6", "grpo")],
+    # tests/slurm/test_job_failures.py (its rank killed), and per_role jobs with a disk sync and a server per job in
+    # tests/slurm/test_elastic_fleet_job.py, so the hetjob-disk-ppo and per_role-distributed-grpo runs are gone
+    [("per_role", "disk", "auto", "ppo"), ("hetjob", "distributed", "ipv6", "grpo")],
 )  # fmt: skip
 def test_tiny_job_runs_its_workers_as_slurm_jobs(slurm_cluster, job_prefix, tmp_path, mode, sync, family, algorithm):
     experiment = job_prefix.removeprefix("hpcrl-").rstrip("-")  # job names: hpcrl-<experiment>-<role>...
