@@ -27,6 +27,7 @@ def test_dry_run_prints_and_writes_the_validated_config(main_cli, tmp_path):
         "gpus_per_worker": 0,
         "tp_size": 1,
         "nodes": 1,
+        "min_workers": None,
     }
     assert "nothing was started" in result.stderr and "[controller:0]" in result.stderr
     run_dir = tmp_path / "default" / "first"
