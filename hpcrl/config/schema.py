@@ -42,11 +42,16 @@ class AllocationConfig:
     server: RoleAllocation = field(default_factory=lambda: RoleAllocation(backend="cpu"))  # inference servers
     trainer: RoleAllocation = field(default_factory=lambda: RoleAllocation(backend="fsdp", workers=2))  # trainers
     critic: RoleAllocation = field(default_factory=lambda: RoleAllocation(backend="fsdp", workers=0))  # 0 = no critic
+    reward_model: RoleAllocation = field(default_factory=lambda: RoleAllocation(workers=0))  # its servers; 0 = none
 
     def roles(self) -> dict[str, RoleAllocation]:
-        """The roles that run: server and trainer, and the critic when it has workers."""
+        """The roles that run: server and trainer, and the critic and the reward model when they have workers."""
         roles = {"server": self.server, "trainer": self.trainer}
-        return {**roles, "critic": self.critic} if self.critic.workers else roles
+        if self.critic.workers:
+            roles["critic"] = self.critic
+        if self.reward_model.workers:
+            roles["reward_model"] = self.reward_model
+        return roles
 
 
 @dataclass
@@ -256,12 +261,29 @@ class WorkflowConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    path: str = ""  # the reward model's directory (Hugging Face layout), served by allocation.reward_model; "" = none
+    kind: str = "generative"  # generative: a judge that answers, /generate | discriminative: a score head, /classify
+
+
+@dataclass
+class JudgeConfig:
+    template: str = "{prompt}{completion}"  # llm_judge's prompt: the row's columns, prompt and completion in {braces}
+    template_file: str = ""  # a file holding the template instead; "" = template
+    pattern: str = "^\\s*[Yy]"  # regex on the judge's answer: a match scores 1, none 0; with a group: its number
+    max_new_tokens: int = 8  # tokens the judge may answer with
+    temperature: float = 0.0  # the judge's sampling temperature; 0 = greedy
+
+
+@dataclass
 class RewardConfig:
     fn: Any = "hpcrl.reward.builtin:mod10"  # "module:function" imported in each reward process; a list: weighted sum
     weights: list[float] = field(default_factory=list)  # reward.fn as a list: each function's weight; [] = 1 each
     timeout_s: float = 10.0  # seconds one reward call may take before it counts as failed
     on_error: str = "drop"  # a reward that raises or times out: drop its group | zero (score 0) | fail the run
     workers: int = 2  # reward processes (none for a function marked @in_process, such as the builtin mod10)
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)  # the reward model, on servers of its own
+    judge: JudgeConfig = field(default_factory=JudgeConfig)  # the builtin llm_judge's prompt, parsing and sampling
 
 
 @dataclass
