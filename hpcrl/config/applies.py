@@ -218,7 +218,7 @@ ALWAYS: dict[str, tuple[str, ...]] = {
         *("max_running_requests", "health_poll_s", "weight_update_timeout_s", "context_overflow", "on_server_exit"),
     ),
     "reward": ("fn", "timeout_s", "on_error", "workers"),  # workers: an @in_process function's pool says it uses none
-    "eval": ("every_steps", "stop_at_accuracy"),
+    "eval": ("every_steps", "stop_at_accuracy", "reward_fn"),  # reward_fn: plug-ins refused (checks)
     "checkpoint": ("every_steps",),
     "export": ("every_steps",),
     "metrics": ("loggers", "samples_every_steps"),

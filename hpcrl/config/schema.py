@@ -290,6 +290,7 @@ class RewardConfig:
 class EvalConfig:
     every_steps: int = 5  # held-out greedy evaluation every this many steps; 0 = only before and after
     stop_at_accuracy: float = 0.9  # stop the run once held-out accuracy reaches this; 0 = never stop early
+    reward_fn: str = ""  # the held-out reward "module:function"; "" = reward.fn (e.g. an exact match beside a judge)
 
 
 @dataclass

@@ -1,14 +1,29 @@
 """Held-out evaluation: greedy completions of every held-out prompt, or the answers a scaffolding controller
-chooses, scored by the run's reward."""
+chooses, scored by the run's reward, or by ``eval.reward_fn`` when it names one (an exact match, say, while a judge
+gives the training reward: the accuracy then measures the task, not the judge's opinion)."""
 
 from __future__ import annotations
 
 import asyncio
 import statistics
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from hpcrl.config.schema import Config
 from hpcrl.inference.client import InferenceClient
 from hpcrl.rollout.workflows.scaffold import Controller, Episode
+
+if TYPE_CHECKING:  # the loop imports this module; the reward pool is imported when a run evaluates with its own
+    from hpcrl.reward.pool import RewardPool
+
+
+def eval_reward_pool(cfg: Config) -> RewardPool | None:
+    """The held-out reward's own pool when ``eval.reward_fn`` names one (started; its owner closes it), else None:
+    the run's reward scores the held-out rows too."""
+    if not cfg.eval.reward_fn:
+        return None
+    from hpcrl.reward.pool import RewardPool
+
+    return RewardPool(cfg.eval.reward_fn, cfg.reward.workers, cfg.reward.timeout_s).start()
 
 
 async def greedy_accuracy(

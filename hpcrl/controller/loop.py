@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpcrl.config.schema import AlgorithmConfig, Config
 from hpcrl.controller.batch import apply_gae, rollout_stats, shard, to_sequences
-from hpcrl.controller.evaluate import greedy_accuracy
+from hpcrl.controller.evaluate import eval_reward_pool, greedy_accuracy
 from hpcrl.controller.metrics import MetricsLog, sample_rows
 from hpcrl.controller.mismatch import batch_mismatch, first_update_mismatch, log_unmeasured, mask_rejected
 from hpcrl.controller.preempt import Preempted, PreemptionGuard
@@ -88,6 +88,7 @@ class Loop:
         self.progress: Callable[[int, dict[str, Any]], None] = lambda step, metrics: None
         self.preempt: PreemptionGuard | None = None  # notes Slurm's preemption or time-limit signal
         self._workflow: Any = None  # this process's workflow: its episodes, and a plug-in's held-out evaluation
+        self._eval_rewards: RewardPool | None = None  # eval.reward_fn's pool, started at the first evaluation
         log_unmeasured(cfg.algorithm)
 
     async def run(self, sync: WeightSync) -> dict[str, Any]:
@@ -101,6 +102,8 @@ class Loop:
                 task.cancel()
             await asyncio.gather(main, watchdog, return_exceptions=True)
             await close_workflow(self._workflow)  # a plug-in's proxy stops listening
+            if self._eval_rewards is not None:
+                self._eval_rewards.close()
         finished = done.pop()
         if finished.exception() is not None and not isinstance(finished.exception(), Preempted):
             await self._blame_dead_worker(finished.exception())
@@ -492,8 +495,11 @@ class Loop:
         reward, one greedy run per row (here, even when rollout workers run the training episodes)."""
         if is_plugin(self.cfg.workflow.name):
             return await self.workflow().accuracy(self.eval_rows)
+        if self._eval_rewards is None:
+            self._eval_rewards = eval_reward_pool(self.cfg)
+        rewards = self._eval_rewards or self.w.rewards
         return await greedy_accuracy(
-            self.w.client, self.tokenizer, self.eval_rows, self.w.rewards, self.cfg.rollout.max_new_tokens
+            self.w.client, self.tokenizer, self.eval_rows, rewards, self.cfg.rollout.max_new_tokens
         )
 
 
