@@ -87,6 +87,9 @@ _SLURM_OR_SUBMITIT = When(
 _CONTROLLER_JOB = When((LAUNCHER,), _SUBMITIT, lambda launcher: launcher in (None, "submitit_slurm"))
 _SLURM_HINT = "cluster=slurm (or a site's cluster file)"
 _CRITIC = positive("allocation.critic.workers")
+_REWARD_MODEL = positive("allocation.reward_model.workers")
+_REWARD_MODEL_HINT = "allocation.reward_model.workers=N (or +rm:cpu:d1 in allocation.spec)"
+_JUDGE = When(("reward.fn",), "reward.fn with llm_judge", lambda v: "llm_judge" in str(v))
 _FILES = equals("dataset.name", "files")
 _FILES_HINT = "dataset=files (or dataset=gsm8k, experiment=gsm8k)"
 _MOD10 = equals("dataset.name", "mod10")
@@ -167,6 +170,12 @@ RULES: tuple[Rule, ...] = (
     # a site's cluster file sizes its controller job for when it is submitted: only a key given is reported
     Rule(("cluster.controller",), _CONTROLLER_JOB, f"-m {_SUBMITIT}", from_files=False),
     Rule(_keys("allocation.critic", "backend gpus_per_worker tp_size nodes"), _CRITIC, "algorithm=ppo"),
+    # controller/roles.py: the reward model's servers, and what they serve, only with workers (checks: path and
+    # workers go together)
+    Rule(_keys("allocation.reward_model", "backend gpus_per_worker tp_size nodes"), _REWARD_MODEL, _REWARD_MODEL_HINT),
+    Rule(("reward.model.kind",), _REWARD_MODEL, _REWARD_MODEL_HINT),
+    # reward/: the builtin llm_judge reads them
+    Rule(("reward.judge",), _JUDGE, "reward.fn=hpcrl.reward.judge:llm_judge"),
     # evaluation only (run.max_steps=0, controller/eval_only.py) starts the servers and the reward, trains nothing
     Rule(
         (
@@ -179,7 +188,7 @@ RULES: tuple[Rule, ...] = (
         from_files=False,
     ),
     # the shorthand replaces the roles (checks.resolve_allocation): an allocation file's roles are what it replaces
-    Rule(_keys("allocation", "server trainer critic"), _NO_SPEC, "no allocation.spec", from_files=False),
+    Rule(_keys("allocation", "server trainer critic reward_model"), _NO_SPEC, "no allocation.spec", from_files=False),
 )
 
 # Every other field, by section: used in every mode (a note where that is not plain from the schema's comment)
@@ -190,6 +199,7 @@ ALWAYS: dict[str, tuple[str, ...]] = {
     # tp_size: 1 only, min_workers: null only (checks.check_elastic_fleet)
     "allocation.trainer": ("backend", "workers", "gpus_per_worker", "tp_size", "nodes", "min_workers"),
     "allocation.critic": ("workers", "min_workers"),
+    "allocation.reward_model": ("workers", "min_workers"),  # min_workers: null only (checks._resolve_reward_model)
     "cluster": ("name", "kind", "gpus_per_node", "worker_lease_s", "hang_timeout_s", "env"),
     # the controller's job, when it is one (RULES: a key given without its launcher is refused)
     "cluster.controller": (
@@ -218,6 +228,7 @@ ALWAYS: dict[str, tuple[str, ...]] = {
         *("max_running_requests", "health_poll_s", "weight_update_timeout_s", "context_overflow", "on_server_exit"),
     ),
     "reward": ("fn", "timeout_s", "on_error", "workers"),  # workers: an @in_process function's pool says it uses none
+    "reward.model": ("path",),  # set with 0 workers: refused (checks.check_reward_model)
     "eval": ("every_steps", "stop_at_accuracy", "reward_fn"),  # reward_fn: plug-ins refused (checks)
     "checkpoint": ("every_steps",),
     "export": ("every_steps",),

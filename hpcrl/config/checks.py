@@ -37,6 +37,8 @@ from hpcrl.inference.openai.templates import TEMPLATES
 from hpcrl.inference.sglang_args import check_extra_args
 
 ROLES = ("server", "trainer")  # the roles every run has; the critic's (advantage=gae) and rollout's are optional
+OPTIONAL_ROLES = ("critic", "rollout", "reward_model")
+REWARD_MODEL_KINDS = ("generative", "discriminative")
 
 
 def validate(cfg: Config) -> Config:
@@ -59,11 +61,16 @@ def validate(cfg: Config) -> Config:
     check_plugin_prompts(cfg.workflow, dataset)
     check_workflow_groups(cfg.workflow, cfg.algorithm.group_size)
     check_inference(cfg.inference)
-    check_extra_args(cfg.inference.extra_args, allocation.server.backend)  # as SGLang parses them
+    for backend in {
+        allocation.server.backend,
+        allocation.reward_model.backend if allocation.reward_model.workers else "",
+    }:
+        check_extra_args(cfg.inference.extra_args, backend)  # as SGLang parses them
     check_server_restart(cfg)
     check_elastic_fleet(cfg)
     check_weight_sync(cfg.train, allocation)
     check_reward(cfg.reward)
+    check_reward_model(cfg, allocation)
     check_eval(cfg.eval)
     require(cfg.checkpoint.every_steps >= 0, "checkpoint.every_steps", cfg.checkpoint.every_steps, "an integer >= 0")
     require(
@@ -99,7 +106,7 @@ def check_cluster(c: ClusterConfig) -> None:
     require(c.time_min >= 1, "cluster.time_min", c.time_min, "minutes >= 1")
     for role, res in c.roles.items():
         where = f"cluster.roles.{role}"
-        one_of(f"{where} (role name)", role, (*ROLES, "critic", "rollout"))
+        one_of(f"{where} (role name)", role, (*ROLES, *OPTIONAL_ROLES))
         require(res.setup_timeout_s > 0, f"{where}.setup_timeout_s", res.setup_timeout_s, "seconds > 0")
         require(res.cpus_per_worker >= 1, f"{where}.cpus_per_worker", res.cpus_per_worker, "an integer >= 1")
         require(res.mem_gb >= 0, f"{where}.mem_gb", res.mem_gb, "GiB >= 0 (0 = scheduler default)")
@@ -129,6 +136,8 @@ def check_net(n: NetConfig) -> None:
 def resolve_allocation(a: AllocationConfig, cluster: ClusterConfig) -> AllocationConfig:
     """Apply the shorthand, fill backend defaults and node counts, and check that roles fit the cluster."""
     roles = parse_spec(a.spec) if a.spec else {"server": a.server, "trainer": a.trainer, "critic": a.critic}
+    if not a.spec:
+        roles["reward_model"] = a.reward_model
     resolved = {role: _resolve_role(f"allocation.{role}", role, roles[role], cluster) for role in ROLES}
     critic = roles.get("critic") or replace(a.critic, workers=0)  # a shorthand without one: no critic
     require(critic.workers >= 0, "allocation.critic.workers", critic.workers, "an integer >= 0 (0 = no critic)")
@@ -138,15 +147,29 @@ def resolve_allocation(a: AllocationConfig, cluster: ClusterConfig) -> Allocatio
         resolved["critic"] = _resolve_role("allocation.critic", "critic", critic, cluster)
     else:
         resolved["critic"] = critic
+    resolved["reward_model"] = _resolve_reward_model(roles.get("reward_model"), a.reward_model, cluster)
     return replace(a, **resolved)
+
+
+def _resolve_reward_model(
+    given: RoleAllocation | None, schema: RoleAllocation, cluster: ClusterConfig
+) -> RoleAllocation:
+    """The reward model's servers (``allocation.reward_model``): resolved like the servers' when it has workers; a
+    shorthand without ``rm:`` has none."""
+    rm = given or replace(schema, workers=0)
+    where = "allocation.reward_model"
+    require(rm.workers >= 0, f"{where}.workers", rm.workers, "an integer >= 0 (0 = no reward model)")
+    require(rm.min_workers is None, f"{where}.min_workers", rm.min_workers, "null (only the servers are elastic)")
+    return _resolve_role(where, "reward_model", rm, cluster) if rm.workers else rm
 
 
 def _resolve_role(where: str, role: str, r: RoleAllocation, cluster: ClusterConfig) -> RoleAllocation:
     # the critic's ranks are the trainer's kind (FSDP2 under torchrun), so its backends are the trainer's
-    one_of(f"{where}.backend", r.backend, SERVER_BACKENDS if role == "server" else TRAINER_BACKENDS)
+    serves = role in ("server", "reward_model")  # the reward model's are inference servers too
+    one_of(f"{where}.backend", r.backend, SERVER_BACKENDS if serves else TRAINER_BACKENDS)
     require(r.workers >= 1, f"{where}.workers", r.workers, "an integer >= 1")
     require(r.tp_size >= 1, f"{where}.tp_size", r.tp_size, "an integer >= 1")
-    require(r.tp_size == 1 or role == "server", f"{where}.tp_size", r.tp_size, "1 (tensor parallelism is a server's)")
+    require(r.tp_size == 1 or serves, f"{where}.tp_size", r.tp_size, "1 (tensor parallelism is a server's)")
     gpus = _default_gpus(r) if r.gpus_per_worker is None else r.gpus_per_worker
     _check_gpus(where, r, gpus)
     if gpus > cluster.gpus_per_node:
@@ -170,13 +193,20 @@ def check_cpus_per_node(cluster: ClusterConfig, allocation: AllocationConfig) ->
     if cluster.kind != "slurm" or not cluster.cpus_per_node:
         return
     for role, r in allocation.roles().items():
-        per_node, cpus = r.workers // r.nodes, (cluster.roles.get(role) or RoleResources()).cpus_per_worker
+        per_node, cpus = r.workers // r.nodes, _role_resources(cluster, role).cpus_per_worker
         if per_node * cpus > cluster.cpus_per_node:
             expected = (
                 f"at most {cluster.cpus_per_node // per_node}: {per_node} {role} workers share a node of "
                 f"cluster.cpus_per_node={cluster.cpus_per_node} cores (or spread them: allocation.{role}.nodes)"
             )
             raise ConfigError(f"cluster.roles.{role}.cpus_per_worker", cpus, expected)
+
+
+def _role_resources(cluster: ClusterConfig, role: str) -> RoleResources:
+    """``cluster.roles``' resources of a role; the reward model's default to the servers' (controller/roles.py)."""
+    if role == "reward_model" and role not in cluster.roles:
+        role = "server"
+    return cluster.roles.get(role) or RoleResources()
 
 
 def _default_gpus(r: RoleAllocation) -> int:
@@ -553,6 +583,20 @@ def check_reward(r: RewardConfig) -> None:
     require(r.timeout_s > 0, "reward.timeout_s", r.timeout_s, "seconds > 0")
     one_of("reward.on_error", r.on_error, ("drop", "zero", "fail"))
     require(r.workers >= 1, "reward.workers", r.workers, "an integer >= 1")
+
+
+def check_reward_model(cfg: Config, allocation: AllocationConfig) -> None:
+    """A reward model's directory exactly when it has servers (``allocation.reward_model.workers``), and a kind
+    its servers know how to serve."""
+    model, workers = cfg.reward.model, allocation.reward_model.workers
+    one_of("reward.model.kind", model.kind, REWARD_MODEL_KINDS)
+    if not workers:
+        expected = '"" without reward-model servers (or serve it: allocation.reward_model.workers=1, or +rm:cpu:d1)'
+        require(not model.path, "reward.model.path", model.path, expected)
+        return
+    expected = f"the reward model's directory (Hugging Face layout) with allocation.reward_model.workers={workers}"
+    require(bool(model.path), "reward.model.path", model.path, expected)
+    require(os.path.isdir(os.path.expanduser(model.path)), "reward.model.path", model.path, "an existing directory")
 
 
 def check_eval(e: EvalConfig) -> None:

@@ -29,10 +29,11 @@ DECIDING = {
     "checkpoint.every_steps": (5, 0),
     "metrics.loggers": (["tensorboard", "wandb"], ["tensorboard"]),
     "metrics.samples_every_steps": (10, 0),
-    "reward.fn": (["a.b:c", "a.b:d"], "a.b:c"),
+    "reward.fn": (["a.b:c", "a.b:llm_judge"], "a.b:c"),
     "inference.on_server_exit": ("restart", "drop"),
     "cluster.kind": ("slurm", "local"),
     "train.lora.rank": (8, 0),
+    "allocation.reward_model.workers": (1, 0),
 }
 LAUNCHERS = ("submitit_slurm", "basic")  # hydra/launcher, as DECIDING's
 # algorithm.off_policy.kind has three kinds of mode (a cap, a band, neither): cycled over the workflows
@@ -241,6 +242,7 @@ def shipped_configs(tiny_model):
         "allocation=1node_8gpu": ["cluster=local_gpu"],
         "allocation=2node_16gpu": ["cluster=slurm"],
         "experiment=gsm8k": ["dataset.train_files=[x.jsonl]"],
+        "experiment=mod10_judge": [f"reward.model.path={tiny_model}"],  # its judge: any model directory validates
     }
     for group in ("experiment", "algorithm", "allocation", "cluster", "dataset", "model", "logger"):
         for option in group_options(group):
