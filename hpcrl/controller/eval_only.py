@@ -3,7 +3,8 @@
 model:   model.path: a Hugging Face directory (a run's final/ or exports/step_N, or any other), or a run's
          checkpoint (<run dir>/checkpoints/step_N: its model written to <this run dir>/model/ first,
          ``hpcrl.train.checkpoint_model``); with model.source=tiny the untrained tiny model made for the task
-start:   the servers only (allocation.server), the reward processes; no trainer, no critic, no rollout worker
+start:   the servers only (allocation.server), the reward processes, and the reward model's servers when it has
+         some (allocation.reward_model); no trainer, no critic, no rollout worker
 measure: the held-out rows answered as a training run's evaluation answers them (greedy, rollout.max_new_tokens;
          a plug-in workflow's own episodes), each scored by reward.fn; every row's completion and reward in
          <run dir>/eval_samples.jsonl (not for a plug-in, whose episodes are its own)
@@ -26,8 +27,8 @@ from typing import Any
 from hpcrl.config.load import dump_config
 from hpcrl.config.schema import Config
 from hpcrl.controller.evaluate import greedy_scored, mean_reward
-from hpcrl.controller.job import make_scheduler, prepare_model, prepare_rows
-from hpcrl.controller.roles import server_spec
+from hpcrl.controller.job import make_scheduler, prepare_model, prepare_rows, with_model_paths
+from hpcrl.controller.roles import reward_model_specs, server_spec
 from hpcrl.inference.client import InferenceClient
 from hpcrl.inference.options import client_options
 from hpcrl.launch.addresses import port_range, worker_addresses
@@ -78,41 +79,46 @@ def run_eval_only(cfg: Config, run_dir: RunDir) -> dict[str, Any]:
 
 
 def _with_model(cfg: Config, run_dir: RunDir, path: Path) -> Config:
-    """``cfg`` serving the model directory ``path``, written to the run's config (the servers read it there)."""
-    if str(path) == cfg.model.path:
+    """``cfg`` serving the model directory ``path`` (and the reward model's, absolute), written to the run's config
+    (the servers read it there)."""
+    resolved = with_model_paths(replace(cfg, model=replace(cfg.model, source="local")), path)
+    if resolved == cfg:
         return cfg
-    cfg = replace(cfg, model=replace(cfg.model, source="local", path=str(path)))
-    run_dir.write_config(dump_config(cfg))
-    return cfg
+    run_dir.write_config(dump_config(resolved))
+    return resolved
 
 
 def _serve_and_evaluate(cfg: Config, run_dir: RunDir, rows: list[dict[str, Any]]) -> float:
-    """Start the servers (with their leases, as a training run's) and the reward processes, evaluate, stop them."""
+    """Start the servers (with their leases, as a training run's), the reward model's and the reward processes,
+    evaluate, stop them."""
     from hpcrl.rpc.auth import create_token, read_token
 
     token = read_token(run_dir.path) if (run_dir.path / "secret").exists() else create_token(run_dir.path)
-    slots = PortSlots({"server": cfg.allocation.server.workers}, rendezvous=())
+    specs = [server_spec(cfg), *reward_model_specs(cfg)]
+    slots = PortSlots({spec.role: spec.workers for spec in specs}, rendezvous=())
     controller, lease_s = secrets.token_hex(8), cfg.cluster.worker_lease_s
-    spec = with_lease(server_spec(cfg), controller, lease_s)
-    group: list[WorkerGroup] = []
+    specs = [with_lease(spec, controller, lease_s) for spec in specs]
+    groups: dict[str, WorkerGroup] = {}
 
     def mark_lost(entry: Entry, why: str) -> None:
-        if group:
-            group[0].mark_lost(entry.rank, why)
+        if entry.role in groups:
+            groups[entry.role].mark_lost(entry.rank, why)
 
     with (
         make_scheduler(cfg, run_dir, slots) as scheduler,
         RewardPool.for_config(cfg.reward) as rewards,
-        LeaseKeeper(Registry(run_dir.registry), ["server"], controller, token, lease_s, mark_lost),
+        LeaseKeeper(Registry(run_dir.registry), [spec.role for spec in specs], controller, token, lease_s, mark_lost),
     ):
-        (servers,) = scheduler.start_all([spec])
-        group.append(servers)
+        groups.update(zip([spec.role for spec in specs], scheduler.start_all(specs), strict=True))
+        servers = groups["server"]
         addresses = [entry.address for entry in servers.wait_ready()]
+        if "reward_model" in groups:  # the reward functions score through its servers
+            rewards.use_reward_model([entry.address for entry in groups["reward_model"].wait_ready()])
         ports = slots.allocator(slots.controller, port_range(cfg.cluster.net))
-        return asyncio.run(_evaluate(cfg, run_dir, servers, addresses, rows, rewards, ports))
+        return asyncio.run(_evaluate(cfg, run_dir, list(groups.values()), addresses, rows, rewards, ports))
 
 
-async def _evaluate(cfg, run_dir, servers, addresses, rows, rewards, ports) -> float:
+async def _evaluate(cfg, run_dir, groups, addresses, rows, rewards, ports) -> float:
     from hpcrl.models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model.path)
@@ -121,7 +127,7 @@ async def _evaluate(cfg, run_dir, servers, addresses, rows, rewards, ports) -> f
             measure = _plugin_accuracy(cfg, client, tokenizer, rows, rewards, ports)
         else:
             measure = _greedy_accuracy(cfg, run_dir, client, tokenizer, rows, rewards)
-        return await _while_alive(measure, servers)
+        return await _while_alive(measure, groups)
 
 
 async def _greedy_accuracy(cfg, run_dir, client, tokenizer, rows, rewards) -> float:
@@ -147,13 +153,14 @@ async def _plugin_accuracy(cfg, client, tokenizer, rows, rewards, ports) -> floa
         await close_workflow(workflow)
 
 
-async def _while_alive(measure, servers: WorkerGroup, period_s: float = 1.0) -> float:
-    """``measure``'s result, failing naming the server as soon as one dies (its requests might otherwise wait for a
-    restart that never comes, up to the client's deadline)."""
+async def _while_alive(measure, groups: list[WorkerGroup], period_s: float = 1.0) -> float:
+    """``measure``'s result, failing naming the server (or reward-model server) as soon as one dies (its requests
+    might otherwise wait for a restart that never comes, up to the client's deadline)."""
     task = asyncio.ensure_future(measure)
     try:
         while not task.done():
-            servers.check_alive()
+            for group in groups:
+                group.check_alive()
             await asyncio.wait([task], timeout=period_s)
         return task.result()
     finally:

@@ -2,8 +2,9 @@
 
     prepare: data splits -> prompts as the model sees them (dataset.chat_template) -> model directory (a tiny one is
              made for the task; its path in the run's config) -> secret
-    start:   scheduler (local, or Slurm) -> server workers + trainer ranks (+ critic ranks, + rollout workers; each
-             registers host:port when it serves)
+    start:   scheduler (local, or Slurm) -> server workers + trainer ranks (+ critic ranks, + rollout workers, + the
+             reward model's server workers; each registers host:port when it serves); the reward pool gets the
+             reward model's addresses
     run:     Loop (rollout -> train -> weight sync -> eval -> metrics) until the budget or the target
     end:     the trained model exported to <run dir>/final/ (Hugging Face layout), the critic to final_critic/;
              trainers and critic shut down over RPC;
@@ -71,8 +72,9 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
     train, held_out = load_splits(cfg.dataset, cfg.run.seed, batch=cfg.rollout.prompts_per_step, rewards=rewards)
     train_rows, eval_rows = prepare_rows(cfg, list(map(decode_columns, train)), list(map(decode_columns, held_out)))
     model_path = prepare_model(cfg, run_dir, train_rows + eval_rows)
-    if str(model_path) != cfg.model.path:  # a new run's (a resume's is resolved): workers read where the model is
-        cfg = replace(cfg, model=replace(cfg.model, path=str(model_path)))
+    resolved = with_model_paths(cfg, model_path)
+    if resolved != cfg:  # a new run's (a resume's is resolved): workers read where the models are
+        cfg = resolved
         run_dir.write_config(dump_config(cfg))
     token = read_token(run_dir.path) if (run_dir.path / "secret").exists() else create_token(run_dir.path)
     alloc = cfg.allocation
@@ -81,6 +83,7 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
         "trainer": alloc.trainer.workers,
         "critic": alloc.critic.workers,
         "rollout": cfg.rollout.workers,
+        "reward_model": alloc.reward_model.workers,
     }
     torchrun_roles = ("trainer", "critic") if alloc.critic.workers else ("trainer",)
     slots = PortSlots({role: n for role, n in counts.items() if n}, rendezvous=torchrun_roles)
@@ -106,10 +109,15 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
         groups.update(server=lambda: servers, trainer=lambda: trainers)  # rollout workers: RemoteEpisodes copes
         if critics is not None:
             groups["critic"] = lambda: critics
+        reward_models = started.get("reward_model")  # its weights never change: no weight sync reaches it
+        if reward_models is not None:
+            groups["reward_model"] = lambda: reward_models
         server_entries = servers.wait_ready()
         trainer_entries = trainers.wait_ready()
         critic_entries = critics.wait_ready() if critics is not None else []
         rollout_entries = started["rollout"].wait_ready() if "rollout" in started else []
+        if reward_models is not None:  # the reward functions here score through its servers
+            reward_pool.use_reward_model([e.address for e in reward_models.wait_ready()])
 
         pool = ServerPool(cfg, servers, server_entries, scheduler)
         groups["server"] = lambda: pool.group
@@ -119,6 +127,8 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
             trainers.check_alive()  # a rank the lease keeper could not reach for a whole lease counts as ended
             if critics is not None:
                 critics.check_alive()
+            if reward_models is not None:  # a dead one fails the run naming it ("reward_model worker 0 exited ...")
+                reward_models.check_alive()
 
         workers = Workers(None, None, reward_pool, check_alive, servers=pool)  # client and trainers are opened below
         if is_plugin(cfg.workflow.name):  # its proxy, for episodes and evaluation here: a port of the controller's slot
@@ -254,6 +264,17 @@ async def _critics(addresses: list[str], token: str, timeout_s: float) -> AsyncI
 SHUTDOWN_WAIT_S = 10.0  # how long trainer and critic ranks get to exit on their own once shut down over RPC
 FINAL_DIR = "final"  # <run dir>/final/: the trained model at the end of the run
 FINAL_CRITIC_DIR = "final_critic"  # <run dir>/final_critic/: the trained critic (a value model directory)
+
+
+def with_model_paths(cfg: Config, model_path: Path) -> Config:
+    """``cfg`` with ``model.path`` the model directory the workers read and ``reward.model.path`` absolute (workers
+    on other nodes read both from config.yaml)."""
+    cfg = replace(cfg, model=replace(cfg.model, path=str(model_path)))
+    rm = cfg.reward.model
+    if rm.path:
+        absolute = str(Path(rm.path).expanduser().absolute())
+        cfg = replace(cfg, reward=replace(cfg.reward, model=replace(rm, path=absolute)))
+    return cfg
 
 
 def prepare_rows(cfg: Config, train: list[dict], held_out: list[dict]) -> tuple[list[dict], list[dict]]:

@@ -4,6 +4,7 @@
     trainer   torchrun -> python -m hpcrl.train.worker   one rank per trainer worker, one torchrun per node
     critic    torchrun -> python -m hpcrl.train.worker --role critic   only with allocation.critic.workers > 0
     rollout   python -m hpcrl.rollout.episode_worker  only with rollout.workers > 0
+    reward_model  python -m hpcrl.inference.worker --role reward_model   only with allocation.reward_model.workers > 0
 
 The one place that turns the config's allocation into processes, for the job (``controller/job.py``), the
 batch scripts (``hpcrl/sbatch.py``) and the doctor alike; ``launch/`` takes the specs and knows no role.
@@ -22,8 +23,8 @@ from hpcrl.launch.base import RoleSpec
 
 def role_specs(cfg: Config) -> list[RoleSpec]:
     """Every role the run starts, in the order the scheduler starts them: servers, trainers, the critic,
-    rollout workers."""
-    return [server_spec(cfg), trainer_spec(cfg), *critic_specs(cfg), *rollout_specs(cfg)]
+    rollout workers, the reward model's servers."""
+    return [server_spec(cfg), trainer_spec(cfg), *critic_specs(cfg), *rollout_specs(cfg), *reward_model_specs(cfg)]
 
 
 def server_spec(cfg: Config) -> RoleSpec:
@@ -82,6 +83,15 @@ def rollout_specs(cfg: Config) -> list[RoleSpec]:
     return [_role_spec(cfg, "rollout", "hpcrl.rollout.episode_worker", env={"OMP_NUM_THREADS": "1"})]
 
 
+def reward_model_specs(cfg: Config) -> list[RoleSpec]:
+    """The reward model's servers, when ``allocation.reward_model.workers`` > 0: the servers' worker serving
+    ``reward.model.path``, whose weights never change. Its resources: ``cluster.roles.reward_model``, else the
+    servers'."""
+    if not cfg.allocation.reward_model.workers:
+        return []
+    return [_role_spec(cfg, "reward_model", "hpcrl.inference.worker", args=["--role", "reward_model"])]
+
+
 def _role_spec(
     cfg: Config, role: str, module: str, torchrun: bool = False, env: dict | None = None, args: list[str] | None = None
 ) -> RoleSpec:
@@ -108,9 +118,12 @@ def _resources(cfg: Config, role: str) -> RoleResources:
 
 
 def _default_resources(cfg: Config, role: str) -> RoleResources:
-    """A role the cluster names no resources for. The critic: the trainer's (the same kind of ranks). Rollout: a
-    CPU per reward process and one more, and the servers' setup timeout, since rollout workers wait for them."""
+    """A role the cluster names no resources for. The critic: the trainer's (the same kind of ranks). The reward
+    model: the servers' (the same kind of worker). Rollout: a CPU per reward process and one more, and the servers'
+    setup timeout, since rollout workers wait for them."""
     if role == "critic" and "trainer" in cfg.cluster.roles:
         return cfg.cluster.roles["trainer"]
+    if role == "reward_model" and "server" in cfg.cluster.roles:
+        return cfg.cluster.roles["server"]
     server = cfg.cluster.roles.get("server") or RoleResources()
     return RoleResources(setup_timeout_s=server.setup_timeout_s, cpus_per_worker=cfg.reward.workers + 1)

@@ -1,7 +1,8 @@
 """The command line of one inference server, for each server backend (``allocation.server.backend``).
 
 Both backends speak SGLang's HTTP API; the scheduler runs the argv returned here without a shell. With LoRA
-(``train.lora.rank`` > 0) both get SGLang's LoRA options (``sglang.lora_args``), under SGLang's names.
+(``train.lora.rank`` > 0) both get SGLang's LoRA options (``sglang.lora_args``), under SGLang's names. A
+discriminative reward model (``reward.model.kind``) is served with ``--is-embedding`` on both, as SGLang serves one.
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ def server_command(
     python: str = sys.executable,
     nccl_port: int | None = None,
     lora: LoRAConfig | None = None,
+    is_embedding: bool = False,
 ) -> list[str]:
     """The argv that starts one server of ``backend`` bound to ``host:port``; ``nccl_port`` is where SGLang's
     ranks meet (``sglang_command``), which the CPU server does not have; ``lora`` (``train.lora``) with a rank
-    above 0 makes it serve adapters (None: none)."""
+    above 0 makes it serve adapters (None: none); ``is_embedding``: a discriminative reward model's server
+    (``--is-embedding``: its score head's route, no generation)."""
     build = _BUILDERS.get(backend)
     if build is None:
         raise ValueError(
@@ -38,7 +41,8 @@ def server_command(
             "(allocation.server.backend)"
         )
     lora = lora or LoRAConfig()
-    return build(str(model_path), host, port, tp_size, inference, dtype, seed, python, nccl_port, lora)
+    cmd = build(str(model_path), host, port, tp_size, inference, dtype, seed, python, nccl_port, lora)
+    return [*cmd, "--is-embedding"] if is_embedding else cmd
 
 
 def _sglang(

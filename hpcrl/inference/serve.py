@@ -42,9 +42,12 @@ def start_server(
     env: dict[str, str] | None = None,
     nccl_port: int | None = None,
     lora: LoRAConfig | None = None,
+    is_embedding: bool = False,
+    name: str = "server",
 ) -> ServerProcess:
     """Spawn one server; it is not ready until ``wait_ready`` returns. ``nccl_port``: SGLang's ``--nccl-port``;
-    ``lora``: ``train.lora`` (a rank above 0 makes it serve adapters)."""
+    ``lora``: ``train.lora`` (a rank above 0 makes it serve adapters); ``is_embedding``: a discriminative reward
+    model's server; ``name``: its role, as the process's errors name it."""
     cmd = server_command(
         backend,
         model_path,
@@ -56,11 +59,12 @@ def start_server(
         seed=seed,
         nccl_port=nccl_port,
         lora=lora,
+        is_embedding=is_embedding,
     )
     child_env = {**(env or {}), "HPCRL_RANK": str(rank)}
     if backend == "sglang":
         child_env = sglang_env({**os.environ, **child_env}, bind_host=bind_host)
-    child = spawn(f"server {rank}", cmd, log_file, env=child_env)
+    child = spawn(f"{name} {rank}", cmd, log_file, env=child_env)
     return ServerProcess(child, format_hostport(advertise_host, port))
 
 

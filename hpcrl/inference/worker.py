@@ -1,6 +1,10 @@
-"""``python -m hpcrl.inference.worker [--run-dir DIR] [--rank N]``: one inference-server worker (role ``server``).
+"""``python -m hpcrl.inference.worker [--role server|reward_model] [--run-dir DIR] [--rank N]``: one inference-server
+worker.
 
-What a scheduler runs for each server. The worker:
+What a scheduler runs for each server: the policy's (role ``server``, the default) and the reward model's (role
+``reward_model``: ``reward.model.path`` on ``allocation.reward_model``'s backend, ``--is-embedding`` for
+``reward.model.kind=discriminative``, no LoRA; its weights never change, so no weight sync ever reaches it; its
+resources are ``cluster.roles.reward_model``, else the servers'). The worker:
 
 1. reads the run's ``config.yaml`` (``HPCRL_RUN_DIR`` or ``--run-dir``) and its rank (``HPCRL_RANK`` or ``--rank``);
 2. picks its address: a port of its own port slot (``worker_ports``) in ``cluster.net``'s range (for SGLang also
@@ -8,9 +12,10 @@ What a scheduler runs for each server. The worker:
    it advertises (``cluster.net.advertise_host``, else discovered) and the host it binds
    (``cluster.net.bind_host``, else the wildcard of the advertised address's family);
 3. starts the server of ``allocation.server.backend`` (hpcrl's CPU server or SGLang) as its child, whose
-   output goes to ``logs/server-proc-<rank>.log``;
+   output goes to ``logs/server-proc-<rank>.log`` (the reward model's: ``logs/reward_model-proc-<rank>.log``; the
+   worker's own log is ``logs/<role>-<rank>.log``);
 4. waits until the server answers /health (``cluster.roles.server.setup_timeout_s``), and only then registers
-   ``host:port`` in the run's registry: registered means ready;
+   ``host:port`` in the run's registry under its role: registered means ready;
 5. waits until the server exits (then exits with the server's exit code) or this worker gets SIGTERM or
    SIGINT (then it ends the server's process tree by PID and exits with 128 + the signal).
 
@@ -34,12 +39,13 @@ import logging
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.load import load_run_config
-from hpcrl.config.schema import Config
+from hpcrl.config.schema import Config, LoRAConfig, RoleAllocation, RoleResources
 from hpcrl.inference.client import InferenceClient, InferenceError
 from hpcrl.inference.serve import ServerProcess, start_server, stop_servers
 from hpcrl.launch.addresses import port_range, worker_addresses
@@ -55,6 +61,8 @@ from hpcrl.rundir import RunDir
 log = logging.getLogger("hpcrl.inference.worker")
 
 ROLE = "server"
+REWARD_MODEL = "reward_model"  # the reward model's servers: the same worker, serving reward.model.path
+ROLES = (ROLE, REWARD_MODEL)
 TINY_MODEL_DIR = "model"  # where, in the run directory, the controller writes the model of model.source=tiny
 _POLL_S = 0.2  # how often a serving worker checks its server and its signals
 _STOP_GRACE_S = 10.0  # seconds the server gets between SIGTERM and SIGKILL
@@ -83,39 +91,67 @@ class _Signals:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return parse_worker_args("python -m hpcrl.inference.worker", __doc__.splitlines()[0], "the servers", argv)
+    roles = argparse.ArgumentParser(add_help=False)
+    roles.add_argument("--role", choices=ROLES, default=ROLE, help="the policy's servers or the reward model's")
+    known, rest = roles.parse_known_args(argv)
+    args = parse_worker_args("python -m hpcrl.inference.worker", __doc__.splitlines()[0], "the role's servers", rest)
+    args.role = known.role
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signals = _Signals()  # first, so that a signal during start-up is seen, not fatal half-way
     run_dir = RunDir(Path(args.run_dir).absolute())
-    setup_logging(ROLE, args.rank, "INFO", _own_log_file(run_dir.log_file(ROLE, args.rank)))
+    setup_logging(args.role, args.rank, "INFO", _own_log_file(run_dir.log_file(args.role, args.rank)))
     try:
         cfg = load_run_config(run_dir.config_file)
     except ConfigError as e:
         log.error("cannot read the run's config: %s", e)
         return 2
     logging.getLogger().setLevel(cfg.run.log_level)
-    return serve(cfg, run_dir, args.rank, signals)
+    return serve(cfg, run_dir, args.rank, signals, args.role)
 
 
-def serve(cfg: Config, run_dir: RunDir, rank: int, signals: _Signals) -> int:
-    """Start, wait for, register and watch one server; returns the worker's exit code."""
+@dataclass(frozen=True)
+class Served:
+    """What a worker of ``role`` serves, and with what."""
+
+    role: str
+    model: Path
+    alloc: RoleAllocation
+    resources: RoleResources
+    lora: LoRAConfig  # the policy's adapters (train.lora); none for the reward model, whose weights never change
+    is_embedding: bool  # a discriminative reward model: its score head's route
+
+    @classmethod
+    def of(cls, cfg: Config, run_dir: RunDir, role: str) -> Served:
+        if role == REWARD_MODEL:
+            model = Path(cfg.reward.model.path).expanduser().absolute()
+            discriminative = cfg.reward.model.kind == "discriminative"
+            alloc, res = cfg.allocation.reward_model, cfg.cluster.roles.get(role) or cfg.cluster.roles[ROLE]
+            return cls(role, model, alloc, res, LoRAConfig(), discriminative)
+        return cls(
+            role, model_path(cfg, run_dir), cfg.allocation.server, cfg.cluster.roles[ROLE], cfg.train.lora, False
+        )
+
+
+def serve(cfg: Config, run_dir: RunDir, rank: int, signals: _Signals, role: str = ROLE) -> int:
+    """Start, wait for, register and watch one server of ``role``; returns the worker's exit code."""
     lease = Lease.from_env()  # from the start: loading the model counts against the lease's grace
-    watch_stack_requests(run_dir.path, ROLE, rank)  # a hang report asks for every worker's stacks
+    watch_stack_requests(run_dir.path, role, rank)  # a hang report asks for every worker's stacks
+    served = Served.of(cfg, run_dir, role)
     advertised, bind = worker_addresses(cfg.cluster.net)
-    port, lease_port, nccl_port = server_ports(cfg)
-    alloc = cfg.allocation.server
-    resources = cfg.cluster.roles[ROLE]
-    log.info("server %d: %s backend, advertising %s port %d, binding %s", rank, alloc.backend, advertised, port, bind)
+    alloc, resources = served.alloc, served.resources
+    port, lease_port, nccl_port = server_ports(cfg, alloc.backend)
+    log.info("%s %d: %s backend, advertising %s port %d, binding %s", role, rank, alloc.backend, advertised, port, bind)
     server = start_server(
         alloc.backend,
-        model_path(cfg, run_dir),
+        served.model,
         bind_host=bind,
         advertise_host=advertised,
         port=port,
-        log_file=run_dir.log_file("server-proc", rank),
+        log_file=run_dir.log_file(f"{role}-proc", rank),
         inference=cfg.inference,
         tp_size=alloc.tp_size,
         dtype=cfg.model.dtype,
@@ -123,7 +159,9 @@ def serve(cfg: Config, run_dir: RunDir, rank: int, signals: _Signals) -> int:
         rank=rank,
         env={**cfg.cluster.env, **resources.env},
         nccl_port=nccl_port,
-        lora=cfg.train.lora,
+        lora=served.lora,
+        is_embedding=served.is_embedding,
+        name=role,
     )
     try:
         try:
@@ -137,7 +175,7 @@ def serve(cfg: Config, run_dir: RunDir, rank: int, signals: _Signals) -> int:
         extra = {"backend": alloc.backend, "server_pid": server.child.pid}
         if lease is not None:
             extra["lease"] = lease.serve(read_token(run_dir.path), bind, lease_port, advertised)
-        entry = Entry(ROLE, rank, advertised, port, extra=extra)
+        entry = Entry(role, rank, advertised, port, extra=extra)
         registry = Registry(run_dir.registry)
         registered = registry.register(entry)
         log.info("ready: serving at %s (registered in %s)", entry.address, registered)
@@ -152,12 +190,13 @@ def serve(cfg: Config, run_dir: RunDir, rank: int, signals: _Signals) -> int:
         stop_servers([server], grace_s=_STOP_GRACE_S)
 
 
-def server_ports(cfg: Config) -> tuple[int, int, int | None]:
-    """The server's port, its lease endpoint's, and for SGLang the ``--nccl-port`` its ranks meet at (the TCP store
-    of its torch.distributed setup): all of this worker's own port slot, free on this node, which is the server's."""
+def server_ports(cfg: Config, backend: str | None = None) -> tuple[int, int, int | None]:
+    """The server's port, its lease endpoint's, and for SGLang (``backend``, default ``allocation.server``'s) the
+    ``--nccl-port`` its ranks meet at (the TCP store of its torch.distributed setup): all of this worker's own port
+    slot, free on this node, which is the server's."""
     ports = worker_ports(port_range(cfg.cluster.net))
     port, lease_port = ports.allocate(2)
-    nccl_port = ports.allocate(1)[0] if cfg.allocation.server.backend == "sglang" else None
+    nccl_port = ports.allocate(1)[0] if (backend or cfg.allocation.server.backend) == "sglang" else None
     return port, lease_port, nccl_port
 
 

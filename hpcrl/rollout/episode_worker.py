@@ -13,9 +13,10 @@ Start-up; a failure exits non-zero with the reason on stderr, which the schedule
    or ``--rank``);
 2. wait until the ``allocation.server.workers`` inference servers have registered (role ``server`` in the
    run's registry: a server registers once healthy), within the setup timeout: ``cluster.roles.rollout``'s,
-   else the servers' own, since a rollout worker started beside the servers waits for them to load;
-3. load the tokenizer (``model.path``), start the reward pool, build the workflow (``make_workflow``), as
-   the controller would, and check that every server answers /health;
+   else the servers' own, since a rollout worker started beside the servers waits for them to load; and, with a
+   reward model (``allocation.reward_model.workers`` > 0), for its servers too (role ``reward_model``);
+3. load the tokenizer (``model.path``), start the reward pool (given the reward model's addresses), build the
+   workflow (``make_workflow``), as the controller would, and check that every server answers /health;
 4. serve RPC on a port of its own slot (``PortSlots`` role ``rollout``: ``HPCRL_PORT_SLOT_BASE`` + rank, so
    workers started at the same moment never pick the same port), then register ``host:port``: registered
    means ready. A plug-in workflow's per-episode OpenAI proxy (``hpcrl/rollout/proxy``) takes a port of the
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     token = read_token(run_dir.path)
     try:
         servers = wait_for_servers(cfg, run_dir)
+        reward_models = wait_for_servers(cfg, run_dir, "reward_model")
     except TimeoutError as e:
         log.error(
             "the inference servers did not register: %s (a rollout worker waits for them as long as "
@@ -120,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
 
     tokenizer = load_tokenizer(cfg.model.path)
     with RewardPool.for_config(cfg.reward) as rewards:
+        if reward_models:  # its reward functions score through the reward model's servers
+            rewards.use_reward_model(reward_models)
         return asyncio.run(serve(cfg, run_dir, args.rank, token, servers, tokenizer, rewards, lease))
 
 
@@ -129,11 +133,14 @@ def setup_timeout(cfg: Config) -> float:
     return (roles.get(ROLE) or roles["server"]).setup_timeout_s
 
 
-def wait_for_servers(cfg: Config, run_dir: RunDir) -> list[str]:
-    """The inference servers' addresses, by rank, once every one has registered."""
-    count, timeout_s = cfg.allocation.server.workers, setup_timeout(cfg)
-    log.info("waiting up to %g s for %d inference servers to register in %s", timeout_s, count, run_dir.registry)
-    entries = Registry(run_dir.registry).wait("server", count, timeout_s)
+def wait_for_servers(cfg: Config, run_dir: RunDir, role: str = "server") -> list[str]:
+    """The addresses of ``role``'s servers (the policy's, or the reward model's: none without workers), by rank,
+    once every one has registered."""
+    count, timeout_s = getattr(cfg.allocation, role).workers, setup_timeout(cfg)
+    if not count:
+        return []
+    log.info("waiting up to %g s for %d %s workers to register in %s", timeout_s, count, role, run_dir.registry)
+    entries = Registry(run_dir.registry).wait(role, count, timeout_s)
     return [e.address for e in entries]
 
 

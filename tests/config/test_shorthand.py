@@ -79,3 +79,47 @@ def test_zero_counts_in_shorthand_are_rejected_when_resolved():
 
     with pytest.raises(ConfigError, match=r"allocation.trainer.workers=0 is invalid: expected an integer >= 1"):
         resolve_allocation(AllocationConfig(spec="cpu:d1+fsdp:d0g0"), ClusterConfig())
+
+
+def test_rm_names_the_reward_models_servers_and_round_trips():
+    roles = parse_spec("cpu:d1+fsdp:d1+rm:sglang:d2t2n1")
+    rm = roles["reward_model"]
+    assert (rm.backend, rm.workers, rm.tp_size, rm.nodes) == ("sglang", 2, 2, 1)
+    assert format_spec(roles) == "cpu:d1+fsdp:d1+rm:sglang:d2t2n1"
+    assert "reward_model" not in parse_spec("cpu:d1+fsdp:d1"), "no reward model unless named"
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("cpu:d1+fsdp:d1+rm:fsdp:d1", "rm: then a server backend among cpu, sglang then ':' in 'rm:fsdp:d1'"),
+        ("cpu:d1+fsdp:d1+rm:d1", "rm: then a server backend among cpu, sglang then ':' in 'rm:d1'"),
+        ("cpu:d1+fsdp:d1+rm:cpu:d1+rm:cpu:d2", "a second reward_model (one backend per role) in 'rm:cpu:d2'"),
+    ],
+)
+def test_a_malformed_rm_part_is_named(spec, expected):
+    with pytest.raises(ConfigError, match=r"^allocation\.spec=") as e:
+        parse_spec(spec)
+    assert expected in str(e.value)
+
+
+def test_the_reward_model_resolves_like_a_server_and_needs_its_directory(tmp_path):
+    cfg = load("allocation.spec=cpu:d1+fsdp:d1g0+rm:cpu:d2", f"reward.model.path={tmp_path}")
+    assert (cfg.allocation.reward_model.workers, cfg.allocation.reward_model.gpus_per_worker) == (2, 0)
+    assert "reward_model" in cfg.allocation.roles()
+    cases = [
+        (("allocation.reward_model.workers=1",), "reward.model.path='' is invalid: expected the reward model's"),
+        ((f"reward.model.path={tmp_path}",), "reward.model.path="),  # a path with no servers
+        (("allocation.reward_model.workers=1", f"reward.model.path={tmp_path}/none"), "an existing directory"),
+        (("allocation.reward_model.workers=1", f"reward.model.path={tmp_path}", "reward.model.kind=score"), "kind"),
+        (("allocation.reward_model.workers=1", "allocation.reward_model.backend=fsdp"), "reward_model.backend"),
+        (
+            ("allocation.spec=cpu:d1+fsdp:d1g0+rm:sglang:d1t2g1",),  # one GPU per tensor-parallel rank, as a server's
+            "allocation.reward_model.gpus_per_worker=1 is invalid: expected tp_size=2",
+        ),
+        (("allocation.reward_model.workers=1", "allocation.reward_model.min_workers=1"), "reward_model.min_workers"),
+    ]
+    for overrides, expected in cases:
+        with pytest.raises(ConfigError) as e:
+            load(*overrides)
+        assert expected in str(e.value) and "\n" not in str(e.value), (overrides, str(e.value))

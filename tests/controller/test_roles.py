@@ -57,3 +57,17 @@ def test_on_slurm_a_rank_runs_as_many_threads_as_cpus_its_role_asks_for(monkeypa
     specs = {s.role: s for s in role_specs(cfg)}
     assert specs["trainer"].env["OMP_NUM_THREADS"] == "6"
     assert specs["critic"].env["OMP_NUM_THREADS"] == str(specs["critic"].cpus_per_worker)
+
+
+def test_the_reward_model_is_a_server_role_of_its_own_only_with_workers(tmp_path):
+    assert "reward_model" not in [s.role for s in role_specs(load())]
+    cfg = load("allocation.reward_model.workers=2", f"reward.model.path={tmp_path}")
+    specs = {s.role: s for s in role_specs(cfg)}
+    assert list(specs)[-1] == "reward_model"
+    rm = specs["reward_model"]
+    assert rm.argv[-4:] == ["-m", "hpcrl.inference.worker", "--role", "reward_model"] and rm.workers == 2
+    assert not rm.torchrun and rm.resources == cfg.cluster.roles["server"], "the servers' resources by default"
+    own = RoleResources(setup_timeout_s=77.0, cpus_per_worker=3)
+    cfg = replace(cfg, cluster=replace(cfg.cluster, roles={**cfg.cluster.roles, "reward_model": own}))
+    rm = next(s for s in role_specs(cfg) if s.role == "reward_model")
+    assert rm.resources == own and rm.setup_timeout_s == 77.0

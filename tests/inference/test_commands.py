@@ -267,3 +267,13 @@ def test_sglang_env_keeps_the_warm_up_off_the_proxy():
         assert entries[:2] == ["example.org", ".site"]
         assert {"localhost", "127.0.0.1", "::1", "0.0.0.0", "::", "fd00::7"} <= set(entries)
     assert env["http_proxy"] == "http://proxy:3128"
+
+
+def test_a_discriminative_reward_models_server_is_started_with_is_embedding():
+    from hpcrl.config.schema import InferenceConfig
+    from hpcrl.inference.commands import server_command
+
+    for backend in ("cpu", "sglang"):
+        common = dict(tp_size=1, inference=InferenceConfig(), dtype="float32", seed=0)
+        assert server_command(backend, "/m", "127.0.0.1", 9000, **common, is_embedding=True)[-1] == "--is-embedding"
+        assert "--is-embedding" not in server_command(backend, "/m", "127.0.0.1", 9000, **common)
