@@ -5,7 +5,9 @@
     ports           the port range (cluster.net.port_min..port_max, or the default) against the kernel's
                     ephemeral range, its slices (one per listener of the run), and which of its ports are free
     setup timeout   the model's size on disk -> an estimate of its load time -> cluster.roles.<role>.setup_timeout_s
-                    of each role that loads it: server, trainer, and the critic when the run has one
+                    of each role that loads it: server, trainer, and the critic when the run has one; the
+                    reward model's size (reward.model.path) -> cluster.roles.reward_model.setup_timeout_s (else
+                    the servers'), when the run has reward-model servers
 
 What this machine sees is only half of it on Slurm: ``nodes.py`` repeats the run-root and address checks
 from a compute node.
@@ -41,6 +43,7 @@ def local_checks(cfg: Config) -> Iterator[Result]:
     yield check_address(cfg)
     yield check_ports(cfg)
     yield from check_setup_timeouts(cfg)
+    yield from check_reward_model_timeout(cfg)
 
 
 def run_root(cfg: Config) -> Path:
@@ -143,6 +146,25 @@ def check_setup_timeouts(cfg: Config) -> Iterator[Result]:
         yield _check_role_timeout(spec.role, spec.setup_timeout_s, size_gb, needed_s)
 
 
+def check_reward_model_timeout(cfg: Config) -> Iterator[Result]:
+    """The reward model's servers (role ``reward_model``) load ``reward.model.path``: its weights on disk, and its
+    setup timeout against their load time; nothing without reward-model servers."""
+    spec = next((spec for spec in run_specs(cfg) if spec.role == "reward_model"), None)
+    if spec is None:
+        return
+    path = cfg.reward.model.path
+    size_gb = model_size_gb(Path(path).expanduser())
+    if size_gb is None:
+        yield fail(
+            "setup timeout reward_model",
+            f"reward.model.path={path} has no weight files on this machine: its servers cannot load it",
+            "point it at the reward model's directory (Hugging Face layout), on a filesystem the nodes see",
+        )
+        return
+    needed_s = STARTUP_S + size_gb / LOAD_GB_PER_S
+    yield _check_role_timeout(spec.role, spec.setup_timeout_s, size_gb, needed_s, "the reward model")
+
+
 def model_size_gb(path: Path) -> float | None:
     """The size of the weight files in ``path`` (GB, 1e9 bytes); None when there are none."""
     if not path.is_dir():
@@ -151,11 +173,13 @@ def model_size_gb(path: Path) -> float | None:
     return sum(sizes) / 1e9 if sizes else None
 
 
-def _check_role_timeout(role: str, timeout_s: float, size_gb: float, needed_s: float) -> Result:
+def _check_role_timeout(
+    role: str, timeout_s: float, size_gb: float, needed_s: float, model: str = "the model"
+) -> Result:
     check = f"setup timeout {role}"
     key = f"cluster.roles.{role}.setup_timeout_s"
     estimate = (
-        f"the model ({size_gb:.3g} GB) takes about {needed_s:.0f} s to load "
+        f"{model} ({size_gb:.3g} GB) takes about {needed_s:.0f} s to load "
         f"({size_gb:.3g} GB at {LOAD_GB_PER_S:g} GB/s + {STARTUP_S:.0f} s start-up)"
     )
     advice = f"raise it: {key}={math.ceil(needed_s * MARGIN / 10) * 10}"

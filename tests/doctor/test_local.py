@@ -130,3 +130,18 @@ def test_the_gpu_checks_run_here_on_a_local_gpu_cluster_and_fail_without_gpus(tm
     assert found["gpu nvidia-smi"].status == "fail" and "nvidia-smi" in found["gpu nvidia-smi"].found
     assert found["gpu torch"].status == "fail" and "0 devices" in found["gpu torch"].found
     assert found["gpu sglang"].status == "skip"  # the cpu server needs no sglang
+
+
+def test_the_reward_models_weights_and_setup_timeout_are_checked(tmp_path, weights):
+    rm = ["allocation.reward_model.workers=1", f"reward.model.path={weights}"]
+    found = checks("cluster=local", f"run.root={tmp_path}", *rm, "cluster.roles.server.setup_timeout_s=10")
+    result = found["setup timeout reward_model"]  # its resources default to the servers'
+    assert result.status == "fail" and "cluster.roles.reward_model.setup_timeout_s=10 s, but the reward model" in (
+        result.found
+    ), result
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rm = ["allocation.reward_model.workers=1", f"reward.model.path={empty}"]
+    result = checks("cluster=local", f"run.root={tmp_path}", *rm)["setup timeout reward_model"]
+    assert result.status == "fail" and "has no weight files" in result.found, result
+    assert "setup timeout reward_model" not in checks("cluster=local", f"run.root={tmp_path}")
