@@ -71,3 +71,12 @@ def test_the_reward_model_is_a_server_role_of_its_own_only_with_workers(tmp_path
     cfg = replace(cfg, cluster=replace(cfg.cluster, roles={**cfg.cluster.roles, "reward_model": own}))
     rm = next(s for s in role_specs(cfg) if s.role == "reward_model")
     assert rm.resources == own and rm.setup_timeout_s == 77.0
+
+
+def test_the_whole_run_batch_script_has_a_component_for_the_reward_model(tmp_path):
+    from hpcrl.sbatch import render
+
+    overrides = ["cluster=slurm_local", "allocation=cpu:d1+fsdp:d1g0+rm:cpu:d1", f"reward.model.path={tmp_path}"]
+    script = render("hetjob", overrides, "python")
+    assert "the controller (0), server (1), trainer (2), reward_model (3)" in script
+    assert "#SBATCH --job-name=hpcrl-default-reward_model" in script
