@@ -47,3 +47,13 @@ def test_a_reward_model_server_serves_and_its_death_fails_the_run_naming_it(tmp_
     assert "reward_model worker 0 exited" in stderr, stderr[-3000:]
     assert took_s < 30, f"the run took {took_s:.1f} s to fail"
     assert not processes_of(str(run_dir)), "no process of the run outlives it"
+
+
+def test_evaluation_only_starts_the_reward_models_servers_too(tmp_path, tiny_model):
+    cmd = [sys.executable, "-m", "hpcrl.main", f"run.root={tmp_path}", "run.trial=t", "run.max_steps=0"]
+    cmd += ["dataset.eval_size=4", "allocation.reward_model.workers=1", f"reward.model.path={tiny_model}"]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "default" / "t"
+    assert "ready: serving at" in (run_dir / "logs" / "reward_model-0.log").read_text()
+    assert not processes_of(str(run_dir)), "no process of the run outlives it"
