@@ -1,5 +1,4 @@
-"""``python -m hpcrl.inference.worker [--role server|reward_model] [--run-dir DIR] [--rank N]``: one inference-server
-worker.
+"""``python -m hpcrl.inference.worker [--role server|reward_model] [--run-dir DIR] [--rank N]``: one server worker.
 
 What a scheduler runs for each server: the policy's (role ``server``, the default) and the reward model's (role
 ``reward_model``: ``reward.model.path`` on ``allocation.reward_model``'s backend, ``--is-embedding`` for
@@ -91,12 +90,11 @@ class _Signals:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    roles = argparse.ArgumentParser(add_help=False)
-    roles.add_argument("--role", choices=ROLES, default=ROLE, help="the policy's servers or the reward model's")
-    known, rest = roles.parse_known_args(argv)
-    args = parse_worker_args("python -m hpcrl.inference.worker", __doc__.splitlines()[0], "the role's servers", rest)
-    args.role = known.role
-    return args
+    def add_role(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--role", choices=ROLES, default=ROLE, help="the policy's servers or the reward model's")
+
+    prog, description = "python -m hpcrl.inference.worker", __doc__.splitlines()[0]
+    return parse_worker_args(prog, description, "the role's servers", argv, add_role)
 
 
 def main(argv: list[str] | None = None) -> int:

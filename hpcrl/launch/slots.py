@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from hpcrl.net import PortAllocator
 
@@ -149,10 +149,19 @@ def _int_env(env: Mapping[str, str], name: str) -> int:
         raise ValueError(f"{name}={value!r} is not an integer") from None
 
 
-def parse_worker_args(prog: str, description: str, what: str, argv: list[str] | None = None) -> argparse.Namespace:
+def parse_worker_args(
+    prog: str,
+    description: str,
+    what: str,
+    argv: list[str] | None = None,
+    add_arguments: Callable[[argparse.ArgumentParser], object] | None = None,
+) -> argparse.Namespace:
     """``--run-dir`` and ``--rank`` of a worker process, by default from what its scheduler set in the
-    environment (HPCRL_RUN_DIR, HPCRL_RANK); ``what`` names the role's workers in the help."""
+    environment (HPCRL_RUN_DIR, HPCRL_RANK); ``what`` names the role's workers in the help; ``add_arguments``
+    adds a worker's own options (the inference worker's ``--role``)."""
     p = argparse.ArgumentParser(prog=prog, description=description)
+    if add_arguments is not None:
+        add_arguments(p)
     p.add_argument("--run-dir", default=os.environ.get("HPCRL_RUN_DIR"), help="run directory (HPCRL_RUN_DIR)")
     p.add_argument("--rank", type=int, default=os.environ.get(RANK_ENV), help=f"rank among {what} (HPCRL_RANK)")
     args = p.parse_args(argv)

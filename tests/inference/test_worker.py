@@ -154,3 +154,12 @@ def test_a_server_takes_its_ports_nccl_port_included_from_its_own_port_slot(monk
     mine = [port, lease_port] if backend == "cpu" else [port, lease_port, nccl_port]
     assert len(set(mine)) == len(mine) and all(low <= p < high for p in mine)
     assert (nccl_port is None) == (backend == "cpu")  # the CPU server's ranks meet over pipes
+
+
+def test_the_worker_serves_the_role_it_is_told_the_policys_servers_by_default():
+    from hpcrl.inference.worker import parse_args
+
+    assert parse_args(["--role", "reward_model", "--run-dir", "/r", "--rank", "2"]).role == "reward_model"
+    assert parse_args(["--run-dir", "/r", "--rank", "0"]).role == "server"
+    with pytest.raises(SystemExit):
+        parse_args(["--role", "critic", "--run-dir", "/r", "--rank", "0"])
