@@ -5,6 +5,10 @@
     metrics.loggers     wandb is installed when it is named
     workflow            a plug-in's .jinja chat template exists
     reward.fn           every function imports, as each reward process imports it (workflow.verifier too)
+    reward model        a model reward (one naming ``reward_model``) has reward-model servers to ask
+                        (allocation.reward_model.workers, reward.model.path a model directory) of the kind it asks
+                        (llm_judge a generative judge, reward_model_score a discriminative one); llm_judge's
+                        template (or template_file) reads and names only columns the data has, its pattern compiles
     dataset columns     every file has the columns the config and the reward functions name (read cheaply:
                         ``hpcrl.data.files.peek``), and dataset.holdout leaves a batch of training rows
     max_new_tokens      fits the model's context with a prompt of one token (its config.json, or the size the
@@ -31,7 +35,7 @@ from typing import TypeVar
 
 from hpcrl.config.errors import ConfigError
 from hpcrl.config.schema import Config
-from hpcrl.reward.registry import RewardFns, RewardSpecError, resolve_reward
+from hpcrl.reward.registry import Reward, RewardFns, RewardSpecError, resolve_reward
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -65,7 +69,9 @@ def preflight(cfg: Config) -> None:
     if "wandb" in cfg.metrics.loggers and importlib.util.find_spec("wandb") is None:
         expected = "a list without wandb, or wandb installed: pip install 'hpcrl[wandb]'"
         raise ConfigError("metrics.loggers", cfg.metrics.loggers, expected)
-    check_data(cfg, check_rewards(cfg))
+    rewards = check_rewards(cfg)
+    check_reward_model(cfg, rewards)
+    check_data(cfg, rewards)
     check_context(cfg)
     check_lora_targets(cfg)
 
@@ -108,6 +114,72 @@ def check_rewards(cfg: Config) -> RewardFns:
     return rewards
 
 
+def check_reward_model(cfg: Config, rewards: RewardFns) -> None:
+    """A model reward of reward.fn (eval.reward_fn, workflow.verifier) has reward-model servers of its kind."""
+    from hpcrl.reward.judge import KIND_OF
+
+    model = cfg.reward.model
+    asking = [r for r in _every_reward(cfg, rewards) if r.uses_reward_model]
+    if not asking:
+        return
+    spec = asking[0].spec
+    if not cfg.allocation.reward_model.workers:
+        expected = (
+            f"reward-model servers for {spec!r}, which asks the reward model: allocation.reward_model.workers >= 1 "
+            "(and reward.model.path)"
+        )
+        raise ConfigError("allocation.reward_model.workers", cfg.allocation.reward_model.workers, expected)
+    if not model.path:
+        expected = f"the reward model's directory: {spec!r} asks the reward model, served from reward.model.path"
+        raise ConfigError("reward.model.path", model.path, expected)
+    check_model_dir(model.path, "reward.model.path")
+    for reward in asking:
+        kind = KIND_OF.get(f"{reward.fn.__module__}:{reward.fn.__name__}")
+        if kind is not None and kind != model.kind:
+            route = "/generate" if kind == "generative" else "/classify"
+            expected = f"{kind}: {reward.spec!r} asks a {kind} reward model (through {route})"
+            raise ConfigError("reward.model.kind", model.kind, expected)
+
+
+def _every_reward(cfg: Config, rewards: RewardFns) -> list[Reward]:
+    """reward.fn's functions, and eval.reward_fn's and best_of_n's verifier when they name one (resolved)."""
+    found = list(rewards.rewards)
+    others = {"eval.reward_fn": cfg.eval.reward_fn}
+    if cfg.workflow.name == "best_of_n":
+        others["workflow.verifier"] = cfg.workflow.verifier
+    for key, spec in others.items():
+        if spec:
+            try:
+                found.append(resolve_reward(spec))
+            except RewardSpecError as e:
+                raise ConfigError(key, spec, f"a function every reward process can import: {e}") from e
+    return found
+
+
+def judge_needs(cfg: Config, rewards: RewardFns) -> dict[str, str]:
+    """The columns llm_judge's template names (each with the setting that names it), when reward.fn has llm_judge;
+    ConfigError for a template file that cannot be read, a template str.format cannot read, a bad pattern."""
+    from hpcrl.reward.judge import compiled_pattern, llm_judge, template_columns, template_text
+
+    if not any(r.fn is llm_judge for r in _every_reward(cfg, rewards)):
+        return {}
+    judge = cfg.reward.judge
+    key = "reward.judge.template_file" if judge.template_file else "reward.judge.template"
+    try:
+        text = template_text(judge.template, judge.template_file)
+    except OSError as e:
+        raise ConfigError(key, judge.template_file, f"a readable file holding llm_judge's template: {e}") from e
+    try:
+        columns = template_columns(text)
+    except ValueError as e:
+        raise ConfigError(key, text[:200], f"a str.format template of the row's columns: {e}") from e
+    try:
+        compiled_pattern(judge.pattern)
+    except re.error as e:
+        raise ConfigError("reward.judge.pattern", judge.pattern, f"a Python regular expression: {e}") from e
+    return dict.fromkeys(columns, key)
+
+
 def check_data(cfg: Config, rewards: RewardFns) -> tuple[int, int]:
     """Every data file has the columns the config and ``rewards`` name, and dataset.holdout leaves a batch of
     training rows: the errors ``hpcrl.data.load_splits`` would raise, from a cheap look at each file (``peek``).
@@ -117,7 +189,7 @@ def check_data(cfg: Config, rewards: RewardFns) -> tuple[int, int]:
     from hpcrl.data.mod10 import FEATURES
 
     d = cfg.dataset
-    needs = rewards.needs()
+    needs = {**rewards.needs(), **judge_needs(cfg, rewards)}
     if d.name == "mod10":
         _as_config_error("reward.fn", cfg.reward.fn, check_columns, MOD10, list(FEATURES), needs, "its rows hold")
         return d.train_size, d.eval_size
@@ -217,13 +289,14 @@ def check_model_path(path: str, evaluate_only: bool) -> None:
         raise ConfigError("model.path", path, f"a complete checkpoint of a run: {problem}")
 
 
-def check_model_dir(path: str) -> None:
-    """A Hugging Face model directory: config.json, a tokenizer, weights. ConfigError naming what is missing."""
+def check_model_dir(path: str, key: str = "model.path") -> None:
+    """A Hugging Face model directory: config.json, a tokenizer, weights. ConfigError naming ``key`` and what is
+    missing."""
     where = Path(path).expanduser()
     expected = "a Hugging Face model directory (config.json, tokenizer files, *.safetensors)"
     if not where.is_dir():
         why = "is not a directory" if where.exists() else "does not exist"
-        raise ConfigError("model.path", path, f"{expected}: {where.absolute()} {why}{_hub_hint(path, where)}")
+        raise ConfigError(key, path, f"{expected}: {where.absolute()} {why}{_hub_hint(path, where)}")
     missing = []
     if not (where / CONFIG_FILE).is_file():
         missing.append(CONFIG_FILE)
@@ -232,7 +305,7 @@ def check_model_dir(path: str) -> None:
     if not any(next(where.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
         missing.append("weights (*.safetensors or *.bin)")
     if missing:
-        raise ConfigError("model.path", path, f"{expected}: {where.absolute()} has no {', no '.join(missing)}")
+        raise ConfigError(key, path, f"{expected}: {where.absolute()} has no {', no '.join(missing)}")
 
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # what a Hugging Face Hub repository id looks like

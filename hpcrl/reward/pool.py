@@ -32,6 +32,16 @@ A function marked ``@in_process`` (``hpcrl.reward.registry``; the builtin ``mod1
 starts no worker:
 ``score`` calls it in this process, item by item, with no timeout, as the mark promises it needs none.
 
+Model rewards (``async def f(..., reward_model)``, ``hpcrl.reward.registry``) are scored here too, in the
+running event loop, never in a worker: every (item, model reward) call of one ``score`` is started at once, so the
+calls a group makes in the same tick go to the reward-model servers as one batched request
+(``hpcrl.reward.model_client``); each is bounded by ``timeout_s``, and a timeout or an exception fails the item as
+a worker's would. In a ``reward.fn`` list the other functions go to the workers (or are called here when marked),
+concurrently, and the values are weighed together. ``use_reward_model(addresses)`` gives the pool the servers; the
+client is made in the loop that first needs it (made again in a later loop) and closed by ``close``. A model reward
+scored before ``use_reward_model`` fails its item saying so. ``reward_model_wait_s`` is the time spent waiting on
+the reward model (seconds, cumulative).
+
 ``close`` (or leaving the ``with`` block) fails batches not yet scored, ends every worker by PID and
 joins the driver threads.
 """
@@ -40,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -58,9 +69,11 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.launch.process import IGNORE_USR2, Child, stop_all
+from hpcrl.net import parse_hostport
+from hpcrl.reward.model_client import RewardModel, RewardModelClient
 from hpcrl.reward.outcome import RewardOutcome
-from hpcrl.reward.registry import RewardFns, specs_of
-from hpcrl.reward.worker import score_one
+from hpcrl.reward.registry import Reward, RewardFns, specs_of, to_reward
+from hpcrl.reward.worker import MAX_ERROR_CHARS, score_one
 
 __all__ = ["RewardOutcome", "RewardPool", "WorkerStartError"]
 
@@ -71,6 +84,11 @@ Item = tuple[str, str, str, Mapping[str, Any]]  # (prompt, completion, answer, t
 _KILL_GRACE_S = 2.0  # a timed-out worker's grace between SIGTERM and SIGKILL
 _CLOSE_JOIN_S = 10.0  # how long close() waits for each driver thread after the workers are ended
 _CLOSED = "the reward pool was closed before this item was scored"
+_NO_REWARD_MODEL = (
+    "needs the reward-model servers, and the pool was given none (RewardPool.use_reward_model was not called: "
+    "allocation.reward_model.workers and reward.model.path set the role that serves them)"
+)
+_CLIENT_CLOSE_S = 10.0  # how long close() waits for the reward-model client's session to close
 
 
 class WorkerStartError(RuntimeError):
@@ -94,6 +112,8 @@ class RewardPool:
         start_timeout_s: float = 60.0,  # seconds a worker gets to import the reward and report ready
         max_batch: int = 64,  # the most items sent to a worker in one message
         weights: Sequence[float] = (),  # a list's weight of each function; () = 1 each
+        judge: Any = None,  # reward.judge (a JudgeConfig) for model rewards; None: its defaults
+        model_kind: str = "generative",  # reward.model.kind, handed to model rewards
     ) -> None:
         if not (isinstance(workers, int) and workers >= 1):
             raise ValueError(f"RewardPool: workers must be an integer >= 1, got {workers!r}")
@@ -104,8 +124,14 @@ class RewardPool:
             raise ValueError(f"RewardPool: max_batch must be an integer >= 1, got {max_batch!r}")
         # a bad spec fails here, with the import error, before any process starts
         self.fns = RewardFns.resolve(spec, weights)
-        self._here = self.fns.in_process  # every function marked @in_process: scored here, no workers
+        self._here = self.fns.in_process  # every function marked @in_process or a model reward: no workers
+        self._plain = RewardFns(  # what the workers (or this process, for marked ones) score; model rewards aside
+            tuple(r for r in self.fns.rewards if not r.uses_reward_model), (), self.fns.listed
+        )
         self.spec = spec if isinstance(spec, str) else " + ".join(specs_of(spec))  # for messages
+        self.judge, self.model_kind = judge, model_kind
+        self._model_addresses: list[str] | None = None  # use_reward_model's
+        self._client: RewardModelClient | None = None
         self.workers = workers
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
@@ -115,8 +141,10 @@ class RewardPool:
         self._lock = threading.Lock()  # orders worker starts against close()
         self._closed = False
         self._started = False
-        self._procs = [] if self._here else [_Worker(specs_of(spec), self.spec, i) for i in range(workers)]
+        specs = [r.spec for r in self._plain.rewards]
+        self._procs = [] if self._here else [_Worker(specs, self.spec, i) for i in range(workers)]
         self._drivers: list[threading.Thread] = []
+        self._waited_before = 0.0  # reward_model_wait_s of clients already closed
 
     # ---- lifecycle
 
@@ -128,6 +156,13 @@ class RewardPool:
             if self._started:
                 return self
             self._started = True
+            if self._here and self.fns.model_rewards:
+                log.info(
+                    "reward function %s asks the reward model (and is otherwise marked @in_process): scored in this "
+                    "process's event loop, so reward.workers=%d does not apply",
+                    *(self.spec, self.workers),
+                )
+                return self
             if self._here:
                 log.info(
                     "reward function %s is marked @in_process: scored in this process, so reward.workers=%d and "
@@ -173,6 +208,7 @@ class RewardPool:
                 log.error("reward driver %s did not finish %g s after its worker ended", thread.name, _CLOSE_JOIN_S)
         self._drivers.clear()
         self._stop_workers(forget=True)  # again: a driver may have been starting a replacement
+        self._close_client()
 
     def pids(self) -> list[int]:
         """The PIDs of the worker processes now running (they change when a worker is replaced)."""
@@ -180,8 +216,73 @@ class RewardPool:
 
     @classmethod
     def for_config(cls, reward: Any) -> RewardPool:
-        """The pool of a run's ``reward`` section (``RewardConfig``): reward.fn, reward.weights, workers, timeout."""
-        return cls(reward.fn, reward.workers, reward.timeout_s, weights=reward.weights)
+        """The pool of a run's ``reward`` section (``RewardConfig``): reward.fn, reward.weights, workers, timeout,
+        and for model rewards reward.judge and reward.model.kind."""
+        return cls(
+            reward.fn,
+            reward.workers,
+            reward.timeout_s,
+            weights=reward.weights,
+            judge=reward.judge,
+            model_kind=reward.model.kind,
+        )
+
+    # ---- the reward model
+
+    def use_reward_model(self, addresses: list[str]) -> None:
+        """Give the pool the reward-model servers (``host:port``, ready) that its model rewards ask; ``ValueError``
+        for none or a malformed address. Called again (servers replaced), the next score uses the new ones."""
+        if not addresses:
+            raise ValueError("RewardPool.use_reward_model: no addresses; expected the reward-model servers' host:port")
+        for address in addresses:
+            parse_hostport(address)  # ValueError naming the expected form
+        self._model_addresses = list(addresses)
+
+    @property
+    def reward_model_client(self) -> RewardModelClient | None:
+        """The reward-model client now in use (its ``requests``, ``prompts``, ``wait_s``); None before the first
+        model reward is scored, and after ``close``."""
+        return self._client
+
+    @property
+    def reward_model_wait_s(self) -> float:
+        """Seconds spent waiting on the reward model, cumulative over the pool's clients (0 with none)."""
+        return self._waited_before + (self._client.wait_s if self._client is not None else 0.0)
+
+    def _reward_model(self) -> RewardModel:
+        """The model rewards' argument: a client of the servers, made in the running loop (again for a new loop or
+        new addresses). ``RuntimeError`` before ``use_reward_model``."""
+        if self._model_addresses is None:
+            raise RuntimeError(_NO_REWARD_MODEL)
+        loop = asyncio.get_running_loop()
+        client = self._client
+        stale = client is not None and (client.addresses != self._model_addresses or client.loop not in (None, loop))
+        if client is None or stale:
+            if client is not None:
+                self._close_client()
+            client = self._client = RewardModelClient(self._model_addresses, self.timeout_s)
+        assert client is not None
+        return RewardModel(client, self.judge if self.judge is not None else _default_judge(), self.model_kind)
+
+    def _close_client(self) -> None:
+        """Close the reward-model client's session in its loop: awaited from another thread, run in a loop that is
+        not running, scheduled from inside the loop itself; a closed loop's session is closed in a loop of its own."""
+        client, self._client = self._client, None
+        if client is None:
+            return
+        self._waited_before += client.wait_s
+        loop = client.loop
+        try:
+            if loop is None or loop.is_closed():
+                _run_apart(client.close())
+            elif not loop.is_running():
+                loop.run_until_complete(client.close())
+            elif _running_loop() is loop:
+                loop.create_task(client.close())
+            else:
+                asyncio.run_coroutine_threadsafe(client.close(), loop).result(_CLIENT_CLOSE_S)
+        except Exception:  # closing is best effort: the run is ending
+            log.warning("closing the reward-model client failed", exc_info=True)
 
     def __enter__(self) -> RewardPool:
         return self.start()
@@ -193,22 +294,81 @@ class RewardPool:
 
     async def score(self, items: Sequence[Item | tuple[str, str, str]]) -> list[RewardOutcome]:
         """Score ``(prompt, completion, answer[, columns])`` items; one outcome per item, in order. Never blocks the
-        loop (a function marked ``@in_process`` is called right here: it returns in microseconds)."""
+        loop (a function marked ``@in_process`` is called right here: it returns in microseconds); model rewards are
+        awaited here, every item's at once (the module docstring)."""
+        if not self.fns.model_rewards:
+            return [self._weighed(outcome) for outcome in await self._score_plain(items)]
+        checked = self._checked(items)
+        plain, model = await asyncio.gather(self._score_plain(checked), self._score_model(checked))
+        return [self._weighed(self._merged(p, m)) for p, m in zip(plain, model, strict=True)]
+
+    async def _score_plain(self, items: Sequence[Item | tuple[str, str, str]]) -> list[_Values | RewardOutcome]:
+        """The functions other than model rewards: each item's values (in their order), or its failure."""
+        if not self._plain.rewards:
+            return [_Values([]) for _ in self._checked(items)]
         if self._here:
-            return self._score_here(items)
+            return [_outcome(score_one(self._plain, *item)) for item in self._checked(items)]
         batches = self._submit(items)
         results = await asyncio.gather(*(asyncio.wrap_future(b.future) for b in batches))
-        return [self._weighed(outcome) for result in results for outcome in result]
+        return [self._named(outcome) for result in results for outcome in result]
+
+    async def _score_model(self, items: list[Item]) -> list[list[float] | RewardOutcome]:
+        """The model rewards of every item, all started at once (so a group's calls share batched requests)."""
+        rewards = self.fns.model_rewards
+        try:
+            reward_model = self._reward_model()
+        except RuntimeError as e:
+            return [RewardOutcome(error=f"{rewards[0].name}: {e}") for _ in items]
+        calls = [self._call_model(r, item, reward_model) for item in items for r in rewards]
+        done = await asyncio.gather(*calls)
+        per_item = [done[i : i + len(rewards)] for i in range(0, len(done), len(rewards))]
+        return [next((o for o in outs if isinstance(o, RewardOutcome)), outs) for outs in per_item]  # type: ignore[misc]
+
+    async def _call_model(self, reward: Reward, item: Item, reward_model: RewardModel) -> float | RewardOutcome:
+        """One model reward of one item, bounded by timeout_s; a failure as a failed RewardOutcome naming it."""
+        named = f"{reward.name}: " if self.fns.listed else ""
+        try:
+            value = await asyncio.wait_for(reward(*item, reward_model=reward_model), self.timeout_s)
+        except TimeoutError:
+            return RewardOutcome(error=f"{named}timed out after {self.timeout_s:g} s", timed_out=True)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            return RewardOutcome(error=_cut(f"{named}raised {type(e).__name__}: {e}"))
+        try:
+            return to_reward(value)
+        except (TypeError, ValueError) as e:
+            return RewardOutcome(error=_cut(f"{named}{e}"))
+
+    def _merged(self, plain: _Values | RewardOutcome, model: list[float] | RewardOutcome) -> _Values | RewardOutcome:
+        """One item's values in reward.fn's order, or its first failure (the workers' before the model's)."""
+        if isinstance(plain, RewardOutcome):
+            return plain
+        if isinstance(model, RewardOutcome):
+            return model
+        plain_values, model_values = iter(plain.values), iter(model)
+        return _Values([next(model_values if r.uses_reward_model else plain_values) for r in self.fns.rewards])
+
+    def _named(self, outcome: _Values | RewardOutcome) -> _Values | RewardOutcome:
+        """A worker's failure of a list's one function besides model rewards, named as the worker could not (it
+        resolves that function alone, not as a list)."""
+        lone = self.fns.listed and len(self._plain.rewards) == 1
+        if lone and isinstance(outcome, RewardOutcome) and outcome.error and outcome.error != _CLOSED:
+            return dataclasses.replace(outcome, error=f"{self._plain.rewards[0].name}: {outcome.error}")
+        return outcome
 
     def score_sync(self, items: Sequence[Item | tuple[str, str, str]]) -> list[RewardOutcome]:
-        """``score`` for code without an event loop: blocks this thread until every item is scored."""
+        """``score`` for code without an event loop: blocks this thread until every item is scored. Model rewards
+        need the loop their client lives in: ``RuntimeError``."""
+        if self.fns.model_rewards:
+            raise RuntimeError(f"RewardPool.score_sync: {self.spec} asks the reward model; await score() instead")
         if self._here:
             return self._score_here(items)
         return [self._weighed(outcome) for b in self._submit(items) for outcome in b.future.result()]
 
     def _score_here(self, items: Sequence[Item | tuple[str, str, str]]) -> list[RewardOutcome]:
         checked = self._checked(items)
-        return [self._weighed(_outcome(score_one(self.fns, *item))) for item in checked]
+        return [self._weighed(_outcome(score_one(self._plain, *item))) for item in checked]
 
     def _weighed(self, outcome: _Values | RewardOutcome) -> RewardOutcome:
         """A call's outcome: each function's value weighed into the reward, and kept as a part for a list."""
@@ -440,6 +600,34 @@ def _outcome(message: dict[str, Any]) -> _Values | RewardOutcome:
     if "v" in message:
         return _Values([float(v) for v in message["v"]])
     return RewardOutcome(error=str(message.get("e", message)))
+
+
+def _cut(text: str) -> str:
+    """An error text cut as a worker cuts its own (``worker.MAX_ERROR_CHARS``)."""
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
+
+
+def _default_judge() -> Any:
+    from hpcrl.config.schema import JudgeConfig  # here: the config package imports the reward registry
+
+    return JudgeConfig()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _run_apart(coro: Any) -> None:
+    """Run ``coro`` to its end in a loop of its own, on a thread of its own if this one is running a loop."""
+    if _running_loop() is None:
+        asyncio.run(coro)
+        return
+    thread = threading.Thread(target=asyncio.run, args=(coro,), name="reward-model-close", daemon=True)
+    thread.start()
+    thread.join(_CLIENT_CLOSE_S)
 
 
 def _finish(batch: _Batch, outcomes: Sequence[_Values | RewardOutcome]) -> None:

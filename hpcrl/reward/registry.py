@@ -29,6 +29,25 @@ The function must live in an importable module: every reward process imports it 
 or a function defined in ``__main__`` cannot be used (they would have to be pickled, which hpcrl never
 does).
 
+A **model reward** asks the reward model (``allocation.reward_model``'s servers, serving ``reward.model.path``): it is
+an ``async def`` that names a parameter ``reward_model``, and gets a ``hpcrl.reward.model_client.RewardModel``::
+
+    async def judged(prompt: str, completion: str, reward_model) -> float:
+        answer = await reward_model.generate(f"{prompt}{completion}?")   # reward.judge's sampling settings
+        return 1.0 if answer.startswith("Y") else 0.0
+    async def scored(prompt: str, completion: str, reward_model) -> float:
+        return await reward_model.classify(prompt + completion)          # a discriminative reward model
+
+``reward_model.generate(text, max_new_tokens=None, temperature=None) -> str`` (``/generate``; None: reward.judge's
+setting) and ``reward_model.classify(text) -> float`` (``/classify``); ``reward_model.judge`` is the run's
+``reward.judge``. It runs in the scoring process's event loop, not in the reward processes, each call bounded by
+``reward.timeout_s``; a timeout or an exception is a failed reward like any other (``reward.on_error``). The calls
+of one ``score`` (a group's completions) made in the same tick go to the servers as one batched request. It may be
+one function of a ``reward.fn`` list beside ordinary ones. A run whose reward.fn names one needs reward-model
+servers (allocation.reward_model.workers and reward.model.path, checked before the run starts); the builtins
+``hpcrl.reward.judge:llm_judge`` and ``:reward_model_score`` are such functions. An ``async def`` that names no
+``reward_model``, or a plain ``def`` that names it, is refused when resolved.
+
 A function marked with ``@in_process`` promises to be pure Python that returns in microseconds and never
 hangs (``mod10`` is one): it is called in the scoring process itself, with no reward processes, no round
 trip and no timeout. Anything that parses, calls out or may run long stays unmarked, in the pool. A list
@@ -52,6 +71,8 @@ RewardFn = Callable[..., Any]
 
 EXAMPLE = "hpcrl.reward.builtin:mod10"
 OWN_NAMES = ("prompt", "completion", "answer")  # what hpcrl passes; every other name is a column of the row
+REWARD_MODEL = "reward_model"  # the parameter a model reward names: the reward model's client (module docstring)
+_NOT_COLUMNS = (*OWN_NAMES, REWARD_MODEL)
 
 
 class RewardSpecError(UserError, ValueError):
@@ -84,20 +105,30 @@ class Reward:
         """The function's name in the spec: its part's key in the metrics, ``reward/<name>``."""
         return self.spec.partition(":")[2]
 
+    @property
+    def uses_reward_model(self) -> bool:
+        """A model reward: an ``async def`` that names ``reward_model``, scored in the scoring process's loop."""
+        return REWARD_MODEL in (self.params or ())
+
     def columns(self) -> tuple[str, ...] | None:
         """The data columns it takes by name; None: every column (``**kwargs``)."""
         if self.every_column:
             return None
-        return tuple(p for p in self.params or () if p not in OWN_NAMES)
+        return tuple(p for p in self.params or () if p not in _NOT_COLUMNS)
 
     def unknown(self, columns: Sequence[str]) -> list[str]:
         """Its required names that are neither hpcrl's nor in ``columns``: a call would fail on every row."""
-        return [p for p in self.required if p not in OWN_NAMES and p not in columns]
+        return [p for p in self.required if p not in _NOT_COLUMNS and p not in columns]
 
-    def __call__(self, prompt: str, completion: str, answer: str, columns: Mapping[str, Any]) -> Any:
+    def __call__(
+        self, prompt: str, completion: str, answer: str, columns: Mapping[str, Any], reward_model: Any = None
+    ) -> Any:
+        """The function's value (a coroutine for a model reward, which takes ``reward_model``)."""
         if self.params is None:
             return self.fn(prompt, completion, answer)
         given = {**columns, "prompt": prompt, "completion": completion, "answer": answer}
+        if self.uses_reward_model:
+            given[REWARD_MODEL] = reward_model
         if self.every_column:
             return self.fn(**given)
         return self.fn(**{p: given[p] for p in self.params if p in given})
@@ -132,7 +163,23 @@ def resolve_reward(spec: str) -> Reward:
     named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     required = tuple(p.name for p in named if p.default is p.empty)
     every_column = any(p.kind is p.VAR_KEYWORD for p in params)
+    _check_model_reward(spec, fn, [p.name for p in named])
     return Reward(spec, fn, tuple(p.name for p in named), required, every_column)
+
+
+def _check_model_reward(spec: str, fn: RewardFn, names: list[str]) -> None:
+    """A model reward is an ``async def`` naming ``reward_model``; either without the other is refused."""
+    is_async = inspect.iscoroutinefunction(fn)
+    if is_async and REWARD_MODEL not in names:
+        raise RewardSpecError(
+            f"reward function {spec!r} is an async def without a {REWARD_MODEL!r} parameter: only model rewards "
+            f"(async def f(prompt, completion, ..., {REWARD_MODEL})) are awaited; make it a plain def"
+        )
+    if REWARD_MODEL in names and not is_async:
+        raise RewardSpecError(
+            f"reward function {spec!r} takes {REWARD_MODEL!r} but is not an async def: a model reward awaits the "
+            f"reward model, async def f(prompt, completion, ..., {REWARD_MODEL})"
+        )
 
 
 def specs_of(fn: str | Sequence[str]) -> list[str]:
@@ -175,9 +222,14 @@ class RewardFns:
         return [r.name for r in self.rewards]
 
     @property
+    def model_rewards(self) -> list[Reward]:
+        """The functions that ask the reward model (``Reward.uses_reward_model``)."""
+        return [r for r in self.rewards if r.uses_reward_model]
+
+    @property
     def in_process(self) -> bool:
-        """Every function is marked ``@in_process``: scored in the calling process, with no workers."""
-        return all(runs_in_process(r.fn) for r in self.rewards)
+        """Every function is marked ``@in_process`` or is a model reward: scored in the calling process, no workers."""
+        return all(runs_in_process(r.fn) or r.uses_reward_model for r in self.rewards)
 
     def columns(self) -> tuple[str, ...] | None:
         """The data columns the functions take, in order; None: every column (one of them has ``**kwargs``)."""
@@ -194,7 +246,7 @@ class RewardFns:
         needed: dict[str, str] = {}
         for reward in self.rewards:
             for name in reward.required:
-                if name not in OWN_NAMES:
+                if name not in _NOT_COLUMNS:
                     needed.setdefault(name, f"the parameter {name!r} of reward function {reward.spec!r}")
         return needed
 
