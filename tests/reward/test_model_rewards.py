@@ -11,10 +11,12 @@ from hpcrl.config import ConfigError
 from hpcrl.config.preflight import preflight
 from hpcrl.config.schema import Config, JudgeConfig
 from hpcrl.reward.judge import llm_judge, score_answer, template_columns
-from hpcrl.reward.model_client import RewardModel, RewardModelClient
+from hpcrl.reward.model_client import RewardModel
 from hpcrl.reward.policy import apply_failure_policy
 from hpcrl.reward.pool import RewardPool
 from hpcrl.reward.registry import RewardFns, RewardSpecError, resolve_reward
+from tests.config.test_options import one_error_line
+from tests.conftest import run_main
 from tests.inference.test_client_fakes import run
 from tests.reward.fake_reward_model import fake_reward_models
 
@@ -151,10 +153,6 @@ def test_llm_judge_formats_the_template_with_the_rows_columns():
         template_columns("{} {0}")
 
 
-def test_a_client_made_outside_a_pool_is_the_one_model_rewards_get():
-    assert RewardModel(RewardModelClient(["h:1"], 1), JudgeConfig()).kind == "generative"
-
-
 def judge_config(tmp_path, model_dir, **changes) -> Config:
     cfg = Config()
     cfg.reward.fn = "hpcrl.reward.judge:llm_judge"
@@ -188,3 +186,13 @@ def test_preflight_refuses_a_model_reward_without_servers_of_its_kind(tiny_model
         preflight(score)
     (tmp_path / "judge.txt").write_text("{prompt}{completion}?")
     preflight(judge_config(tmp_path, tiny_model, judge__template_file=str(tmp_path / "judge.txt")))
+
+
+def test_a_run_naming_a_model_reward_without_its_servers_fails_in_one_line_before_anything_starts(tmp_path):
+    runs = tmp_path / "runs"
+    result = run_main("reward.fn=hpcrl.reward.judge:llm_judge", "run.trial=t", f"run.root={runs}", cwd=tmp_path)
+    assert one_error_line(result).startswith(
+        "hpcrl: config error: allocation.reward_model.workers=0 is invalid: expected reward-model servers for "
+        "'hpcrl.reward.judge:llm_judge', which asks the reward model"
+    )
+    assert not [p for p in runs.rglob("*") if p.is_file() and ".hydra" not in p.parts]  # no run directory, no worker
