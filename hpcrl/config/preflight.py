@@ -133,12 +133,26 @@ def check_reward_model(cfg: Config, rewards: RewardFns) -> None:
         expected = f"the reward model's directory: {spec!r} asks the reward model, served from reward.model.path"
         raise ConfigError("reward.model.path", model.path, expected)
     check_model_dir(model.path, "reward.model.path")
+    check_reward_model_kind(model.path, model.kind)
     for reward in asking:
         kind = KIND_OF.get(f"{reward.fn.__module__}:{reward.fn.__name__}")
         if kind is not None and kind != model.kind:
             route = "/generate" if kind == "generative" else "/classify"
             expected = f"{kind}: {reward.spec!r} asks a {kind} reward model (through {route})"
             raise ConfigError("reward.model.kind", model.kind, expected)
+
+
+def check_reward_model_kind(path: str, kind: str) -> None:
+    """reward.model.kind matches the model's architecture (config.json): a discriminative reward model is a
+    sequence-classification model (served on /classify), a generative judge is not one (it answers on /generate)."""
+    import json
+
+    architectures = json.loads((Path(path).expanduser() / CONFIG_FILE).read_text()).get("architectures") or []
+    scores = any(a.endswith("ForSequenceClassification") for a in architectures)
+    if scores != (kind == "discriminative"):
+        want = "discriminative" if scores else "generative"
+        expected = f"{want}: reward.model.path's architectures are {architectures} ({Path(path) / CONFIG_FILE})"
+        raise ConfigError("reward.model.kind", kind, expected)
 
 
 def _every_reward(cfg: Config, rewards: RewardFns) -> list[Reward]:

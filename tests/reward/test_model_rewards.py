@@ -184,6 +184,17 @@ def test_preflight_refuses_a_model_reward_without_servers_of_its_kind(tiny_model
     score.reward.fn = ["hpcrl.reward.builtin:mod10", "hpcrl.reward.judge:reward_model_score"]
     with pytest.raises(ConfigError, match=r"reward\.model\.kind='generative' is invalid: expected discriminative: "):
         preflight(score)
+    head = tmp_path / "head"  # what check_model_dir looks for, with a score head's architecture
+    head.mkdir()
+    (head / "config.json").write_text('{"architectures": ["Qwen2ForSequenceClassification"]}')
+    (head / "tokenizer.json").write_text("{}")
+    (head / "model.safetensors").write_text("")
+    with pytest.raises(
+        ConfigError, match=r"kind='generative' is invalid: expected discriminative: reward\.model\.path's"
+    ):
+        preflight(judge_config(tmp_path, head))
+    score.reward.model.path, score.reward.model.kind = str(head), "discriminative"
+    preflight(score)
     (tmp_path / "judge.txt").write_text("{prompt}{completion}?")
     preflight(judge_config(tmp_path, tiny_model, judge__template_file=str(tmp_path / "judge.txt")))
 
