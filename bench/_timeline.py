@@ -3,7 +3,8 @@
 The controller's process records, on one monotonic clock, when each of these was under way, and writes the
 intervals to OUT.json when the job ends: ``step`` (one ``Loop._step``: rollout wait, train, weight sync),
 ``gen`` (one generate request in flight to a server), ``train`` (one train-step RPC to the trainers), ``sync``
-(one weight push, servers paused), ``reward`` (one reward-pool call), ``eval``; and the parts of a push:
+(one weight push, servers paused), ``reward`` (one reward-pool call), ``judge`` (one batched request to the reward
+model's servers, inside a reward call), ``eval``; and the parts of a push:
 ``export`` (the trainers' export RPC, or the export at a train call's end: below), ``load``
 (``/update_weights_from_disk`` on every server), ``pause`` (a pause or continue call, when a push makes them).
 When the step's last train call writes the servers' weights itself (the disk sync since the export went into
@@ -71,6 +72,11 @@ def install() -> None:
     from hpcrl.inference.client import InferenceClient
     from hpcrl.reward.pool import RewardPool
 
+    try:
+        from hpcrl.reward.model_client import RewardModelClient
+    except ImportError:  # an older checkout: no reward model
+        RewardModelClient = None
+
     timed(Loop, "_step", "step", step_arg=True)
     timed(Loop, "evaluate", "eval")
     timed(InferenceClient, "generate", "gen")
@@ -78,6 +84,8 @@ def install() -> None:
     timed_train_step(Trainers)
     timed(WeightSync, "push", "sync")
     timed(RewardPool, "score", "reward")
+    if RewardModelClient is not None:
+        timed(RewardModelClient, "_send", "judge")
     timed(Trainers, "export_for_servers", "export")  # the disk sync's export (older checkouts: Ranks.export)
     if not hasattr(Trainers, "export_for_servers"):
         timed(Trainers, "export", "export")

@@ -13,6 +13,9 @@ TensorBoard, the progress line) is in it; the last step's ends with it. It split
 - controller: none of these; the controller alone (the last groups' reward calls, building and sharding the
   batch, encoding RPCs, the event loop's own scheduling). ``reward`` is the part of it in reward calls.
 
+``judge`` is apart from these: the time a request to the reward model's servers was in flight (a judge's batch,
+``experiment=mod10_judge``), wherever it fell in the step; 0 without a reward model.
+
 "neither" = weight sync only + controller: the issue's measure, goal < 5% of the step. Shares are of the sum
 of all steps of a job; medians over runs. The timings are the controller's view: a request counts as
 generation from its send to its answer, so "controller" is a lower bound on the time the servers sit idle.
@@ -55,7 +58,7 @@ def split_steps(timeline: list) -> dict[str, float]:
     by_kind: dict[str, list[tuple[float, float]]] = {}
     for kind, start, end, _ in timeline:
         by_kind.setdefault(kind, []).append((start, end))
-    out = dict.fromkeys(("total", "gen_or_train", "sync_only", "controller", "reward"), 0.0)
+    out = dict.fromkeys(("total", "gen_or_train", "sync_only", "controller", "reward", "judge"), 0.0)
     for lo, hi in step_windows(by_kind["step"]):
         gen_train = union_within(by_kind.get("gen", []) + by_kind.get("train", []), lo, hi)
         busy = union_within(gen_train + by_kind.get("sync", []), lo, hi)
@@ -65,6 +68,7 @@ def split_steps(timeline: list) -> dict[str, float]:
         out["sync_only"] += length(busy) - length(gen_train)
         out["controller"] += (hi - lo) - length(busy)
         out["reward"] += length(union_within(reward + busy, lo, hi)) - length(busy)  # reward calls alone
+        out["judge"] += length(union_within(by_kind.get("judge", []), lo, hi))
     return out
 
 
@@ -136,12 +140,23 @@ def report(results: dict[int, list[dict[str, float]]], args) -> None:
                 share(s, "sync_only"),
                 share(s, "controller"),
                 share(s, "reward"),
+                share(s, "judge"),
                 median(neither),
                 ", ".join(f"{v:.3f}" for v in neither),
             ]
         )
     print(f"{args.steps} steps per job, median of {args.runs} runs; shares of the steps' wall time")
-    header = ["job", "s/step", "gen or train", "weight sync", "controller", "(reward)", "neither", "neither, each run"]
+    header = [
+        "job",
+        "s/step",
+        "gen or train",
+        "weight sync",
+        "controller",
+        "(reward)",
+        "judge",
+        "neither",
+        "neither, each run",
+    ]
     print(table(header, rows))
     parts = [
         [f"max_staleness={s}", *(median([r[f"{k}_ms"] for r in runs]) for k in PARTS)] for s, runs in results.items()

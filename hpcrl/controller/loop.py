@@ -88,6 +88,7 @@ class Loop:
         self.progress: Callable[[int, dict[str, Any]], None] = lambda step, metrics: None
         self.preempt: PreemptionGuard | None = None  # notes Slurm's preemption or time-limit signal
         self._workflow: Any = None  # this process's workflow: its episodes, and a plug-in's held-out evaluation
+        self._reward_model_waited = 0.0  # the reward pool's reward_model_wait_s at the last step's metrics
         self._eval_rewards: RewardPool | None = None  # eval.reward_fn's pool, started at the first evaluation
         log_unmeasured(cfg.algorithm)
 
@@ -270,7 +271,18 @@ class Loop:
             time_sync_s=round(t3 - t2, 4),
             time_step_s=round(t3 - t0, 4),
         )
+        metrics.update(self._reward_model_time())
         return metrics
+
+    def _reward_model_time(self) -> dict[str, float]:
+        """``time_reward_model_s``: the seconds since the last step's metrics when a request to the reward model's
+        servers was in flight from this process (the rollout workers' are not seen here; none without a reward
+        model). Under asynchronous rollout they overlap the step's other parts."""
+        if not self.cfg.allocation.reward_model.workers or self.w.episodes is not None:
+            return {}
+        waited = self.w.rewards.reward_model_wait_s
+        since, self._reward_model_waited = waited - self._reward_model_waited, waited
+        return {"time_reward_model_s": round(since, 4)}
 
     async def _train_on(
         self,

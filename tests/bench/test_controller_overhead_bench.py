@@ -20,6 +20,8 @@ def test_a_step_splits_into_generation_or_training_sync_and_controller():
         ["gen", 0.0, 4.0, None],
         ["gen", 1.0, 5.0, None],  # concurrent requests count once
         ["reward", 4.5, 6.0, None],  # 5..6 is the controller alone, in a reward call
+        ["judge", 4.6, 5.4, None],  # the reward call's batched request to the reward model's servers
+        ["judge", 5.2, 5.8, None],  # another, overlapping it: counted once
         ["train", 6.5, 8.0, None],
         ["sync", 8.0, 9.5, None],
         ["gen", 11.0, 12.0, None],  # after the step: not counted
@@ -30,6 +32,20 @@ def test_a_step_splits_into_generation_or_training_sync_and_controller():
     assert split["sync_only"] == pytest.approx(1.5)
     assert split["controller"] == pytest.approx(2.0)  # 5..6.5 and 9.5..10
     assert split["reward"] == pytest.approx(1.0)
+    assert split["judge"] == pytest.approx(1.2)  # 4.6..5.8, apart from the other parts
+
+
+def test_the_timeline_times_each_batched_request_to_the_reward_model(monkeypatch):
+    from hpcrl.reward.model_client import RewardModelClient
+
+    wrapped = []
+    monkeypatch.setattr(
+        _timeline, "timed", lambda cls, method, kind, step_arg=False: wrapped.append((cls, method, kind))
+    )
+    monkeypatch.setattr(_timeline, "timed_train_step", lambda cls: None)
+    _timeline.install()
+    assert (RewardModelClient, "_send", "judge") in wrapped
+    assert callable(RewardModelClient._send), "the method the timeline wraps is there"
 
 
 def test_the_loops_work_between_two_steps_counts_as_the_controllers():
