@@ -24,7 +24,8 @@ CLI_CASES = [
     ),
     (
         ["allocation=sglang:d4t2+fsdp"],
-        "allocation.spec='sglang:d4t2+fsdp' is invalid: expected a backend among cpu, sglang, fsdp, critic then ':' "
+        "allocation.spec='sglang:d4t2+fsdp' is invalid: expected a backend among cpu, sglang, fsdp, critic, "
+        "rm:<server backend> then ':' "
         "in 'fsdp'",
     ),
     (["cluster.hang_timeout_s=0"], "cluster.hang_timeout_s=0.0 is invalid: expected seconds > 0"),
