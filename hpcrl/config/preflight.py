@@ -71,7 +71,7 @@ def preflight(cfg: Config) -> None:
         raise ConfigError("metrics.loggers", cfg.metrics.loggers, expected)
     rewards = check_rewards(cfg)
     check_reward_model(cfg, rewards)
-    check_data(cfg, rewards)
+    check_data(cfg, row_rewards(cfg, rewards))
     check_context(cfg)
     check_lora_targets(cfg)
 
@@ -105,6 +105,9 @@ def check_rewards(cfg: Config) -> RewardFns:
         rewards = RewardFns.resolve(cfg.reward.fn, cfg.reward.weights)
     except RewardSpecError as e:
         raise ConfigError("reward.fn", cfg.reward.fn, f"functions every reward process can import: {e}") from e
+    if cfg.eval.reward_fn and ":" in cfg.workflow.name:  # a plug-in workflow, module:function
+        expected = f'"": a plug-in workflow ({cfg.workflow.name}) scores held-out episodes with its own final reward'
+        raise ConfigError("eval.reward_fn", cfg.eval.reward_fn, expected)
     verifier = cfg.workflow.verifier
     if cfg.workflow.name == "best_of_n" and verifier:
         try:
@@ -112,6 +115,13 @@ def check_rewards(cfg: Config) -> RewardFns:
         except RewardSpecError as e:
             raise ConfigError("workflow.verifier", verifier, f"a function every reward process can import: {e}") from e
     return rewards
+
+
+def row_rewards(cfg: Config, rewards: RewardFns) -> RewardFns:
+    """``rewards`` (reward.fn's) with eval.reward_fn's and best-of-N's verifier's functions beside them (weight 0,
+    never summed): every column one of them takes goes with each row, and a data file must have those they need."""
+    others = _every_reward(cfg, rewards)[len(rewards.rewards) :]
+    return RewardFns(rewards.rewards + tuple(others), rewards.weights + (0.0,) * len(others), rewards.listed)
 
 
 def check_reward_model(cfg: Config, rewards: RewardFns) -> None:

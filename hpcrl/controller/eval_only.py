@@ -6,8 +6,8 @@ model:   model.path: a Hugging Face directory (a run's final/ or exports/step_N,
 start:   the servers only (allocation.server), the reward processes, and the reward model's servers when it has
          some (allocation.reward_model); no trainer, no critic, no rollout worker
 measure: the held-out rows answered as a training run's evaluation answers them (greedy, rollout.max_new_tokens;
-         a plug-in workflow's own episodes), each scored by reward.fn; every row's completion and reward in
-         <run dir>/eval_samples.jsonl (not for a plug-in, whose episodes are its own)
+         a plug-in workflow's own episodes), each scored by reward.fn (eval.reward_fn when set); every row's
+         completion and reward in <run dir>/eval_samples.jsonl (not for a plug-in, whose episodes are its own)
 summary: steps 0, eval_accuracy, eval_rows, evaluated_model, wall_s, run_dir (main prints it and writes
          summary.json)
 """
@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.config.load import dump_config
+from hpcrl.config.preflight import row_rewards
 from hpcrl.config.schema import Config
-from hpcrl.controller.evaluate import greedy_scored, mean_reward
+from hpcrl.controller.evaluate import eval_reward_pool, greedy_scored, mean_reward
 from hpcrl.controller.job import make_scheduler, prepare_model, prepare_rows, with_model_paths
 from hpcrl.controller.roles import reward_model_specs, server_spec
 from hpcrl.inference.client import InferenceClient
@@ -57,7 +58,7 @@ def run_eval_only(cfg: Config, run_dir: RunDir) -> dict[str, Any]:
     start = time.monotonic()
     if is_plugin(cfg.workflow.name):  # imported here first: one that does not import fails before anything starts
         resolve_workflow(cfg.workflow.name)
-    rewards = RewardFns.resolve(cfg.reward.fn, cfg.reward.weights)
+    rewards = row_rewards(cfg, RewardFns.resolve(cfg.reward.fn, cfg.reward.weights))
     evaluated = cfg.model.path
     if cfg.model.source == "local" and is_checkpoint(evaluated):  # its model first: the rows take its tokenizer
         cfg = _with_model(cfg, run_dir, write_checkpoint_model(evaluated, run_dir.path / CHECKPOINT_MODEL_DIR))
@@ -115,7 +116,8 @@ def _serve_and_evaluate(cfg: Config, run_dir: RunDir, rows: list[dict[str, Any]]
         if "reward_model" in groups:  # the reward functions score through its servers
             rewards.use_reward_model([entry.address for entry in groups["reward_model"].wait_ready()])
         ports = slots.allocator(slots.controller, port_range(cfg.cluster.net))
-        return asyncio.run(_evaluate(cfg, run_dir, list(groups.values()), addresses, rows, rewards, ports))
+        with eval_reward_pool(cfg, rewards) or contextlib.nullcontext(rewards) as scoring:  # eval.reward_fn's, if any
+            return asyncio.run(_evaluate(cfg, run_dir, list(groups.values()), addresses, rows, scoring, ports))
 
 
 async def _evaluate(cfg, run_dir, groups, addresses, rows, rewards, ports) -> float:

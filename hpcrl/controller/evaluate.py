@@ -12,18 +12,14 @@ from hpcrl.config.schema import Config
 from hpcrl.inference.client import InferenceClient
 from hpcrl.rollout.workflows.scaffold import Controller, Episode
 
-if TYPE_CHECKING:  # the loop imports this module; the reward pool is imported when a run evaluates with its own
+if TYPE_CHECKING:
     from hpcrl.reward.pool import RewardPool
 
 
-def eval_reward_pool(cfg: Config) -> RewardPool | None:
-    """The held-out reward's own pool when ``eval.reward_fn`` names one (started; its owner closes it), else None:
-    the run's reward scores the held-out rows too."""
-    if not cfg.eval.reward_fn:
-        return None
-    from hpcrl.reward.pool import RewardPool
-
-    return RewardPool(cfg.eval.reward_fn, cfg.reward.workers, cfg.reward.timeout_s).start()
+def eval_reward_pool(cfg: Config, rewards: RewardPool) -> RewardPool | None:
+    """The held-out reward's own pool when ``eval.reward_fn`` names one (started, with the run pool ``rewards``'s
+    settings and reward-model servers; its owner closes it), else None: the run's reward scores the held-out rows."""
+    return rewards.sibling(cfg.eval.reward_fn) if cfg.eval.reward_fn else None
 
 
 async def greedy_accuracy(

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.config.load import dump_config
+from hpcrl.config.preflight import row_rewards
 from hpcrl.config.schema import Config
 from hpcrl.controller.hang import HangError, lost_worker, slurm_jobs, stalled_call, write_hang_report
 from hpcrl.controller.loop import Loop, Workers
@@ -68,7 +69,8 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
 
     if is_plugin(cfg.workflow.name):  # imported here first: one that does not import fails before anything starts
         resolve_workflow(cfg.workflow.name)
-    rewards = RewardFns.resolve(cfg.reward.fn, cfg.reward.weights)  # the columns its functions take go with each row
+    # the columns every reward's functions take go with each row (reward.fn's, eval.reward_fn's, a verifier's)
+    rewards = row_rewards(cfg, RewardFns.resolve(cfg.reward.fn, cfg.reward.weights))
     train, held_out = load_splits(cfg.dataset, cfg.run.seed, batch=cfg.rollout.prompts_per_step, rewards=rewards)
     train_rows, eval_rows = prepare_rows(cfg, list(map(decode_columns, train)), list(map(decode_columns, held_out)))
     model_path = prepare_model(cfg, run_dir, train_rows + eval_rows)

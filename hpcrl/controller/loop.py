@@ -508,7 +508,7 @@ class Loop:
         if is_plugin(self.cfg.workflow.name):
             return await self.workflow().accuracy(self.eval_rows)
         if self._eval_rewards is None:
-            self._eval_rewards = eval_reward_pool(self.cfg)
+            self._eval_rewards = eval_reward_pool(self.cfg, self.w.rewards)
         rewards = self._eval_rewards or self.w.rewards
         return await greedy_accuracy(
             self.w.client, self.tokenizer, self.eval_rows, rewards, self.cfg.rollout.max_new_tokens

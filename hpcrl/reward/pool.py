@@ -238,6 +238,14 @@ class RewardPool:
             parse_hostport(address)  # ValueError naming the expected form
         self._model_addresses = list(addresses)
 
+    def sibling(self, spec: str | Sequence[str]) -> RewardPool:
+        """A started pool of another reward (``eval.reward_fn``, best-of-N's ``workflow.verifier``) with this pool's
+        workers, timeout, judge settings and reward-model servers, so that a model reward scores there too."""
+        pool = RewardPool(spec, self.workers, self.timeout_s, judge=self.judge, model_kind=self.model_kind).start()
+        if self._model_addresses:
+            pool.use_reward_model(self._model_addresses)
+        return pool
+
     @property
     def reward_model_client(self) -> RewardModelClient | None:
         """The reward-model client now in use (its ``requests``, ``prompts``, ``wait_s``); None before the first

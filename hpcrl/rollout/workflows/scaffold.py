@@ -329,7 +329,10 @@ def scaffold_workflow(
     verifier = rewards
     if w.name == "best_of_n" and w.verifier and w.verifier != cfg.reward.fn:
         # imported in processes of its own, like a reward: the same registry, timeout and isolation
-        pools.append(RewardPool(w.verifier, cfg.reward.workers, cfg.reward.timeout_s).start())
+        if isinstance(rewards, RewardPool):  # its settings and reward-model servers
+            pools.append(rewards.sibling(w.verifier))
+        else:
+            pools.append(RewardPool(w.verifier, cfg.reward.workers, cfg.reward.timeout_s).start())
         verifier = pools[0]
     generate = Generate(client, tokenizer, sampling, resumed, cfg.rollout.max_empty_aborts, behaviour_logprobs(cfg))
     controller = make_controller(w, generate, tokenizer, verifier)
