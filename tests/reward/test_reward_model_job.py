@@ -27,8 +27,6 @@ def test_mod10_judge_learns_to_09_held_out_with_only_the_judges_reward(tmp_path,
     assert all(r["time_reward_model_s"] > 0 for r in rows), [r["time_reward_model_s"] for r in rows]
     config = (run_dir / "config.yaml").read_text()
     assert "fn: hpcrl.reward.judge:llm_judge" in config and "reward_fn: hpcrl.reward.builtin:mod10" in config
-    requests = (run_dir / "logs" / "reward_model-proc-0.log").read_text().count("POST /generate")
-    assert requests >= len(rows), f"{requests} requests to the judge for {len(rows)} steps"
 
 
 def make_digit_liking_reward_model(out):
