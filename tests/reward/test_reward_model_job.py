@@ -1,6 +1,6 @@
 """Runs whose only reward comes from the reward model's own servers (slow): ``experiment=mod10_judge``, where a tiny
 generative judge says whether each answer is right, learns the task; a discriminative reward model's scores are the
-run's rewards, exactly, and the policy climbs them."""
+run's rewards, exactly, and the policy climbs them (scored on a rollout worker, whose own pool asks the servers)."""
 
 import json
 
@@ -60,7 +60,7 @@ def own_score(model, tokenizer, text: str) -> float:
 
 
 @pytest.mark.slow
-def test_a_discriminative_reward_models_scores_are_the_rewards_and_the_policy_climbs_them(tmp_path):
+def test_a_discriminative_reward_models_scores_are_the_rewards_on_a_rollout_worker_and_the_policy_climbs_them(tmp_path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     model_dir = make_digit_liking_reward_model(tmp_path / "reward-model")
@@ -68,7 +68,7 @@ def test_a_discriminative_reward_models_scores_are_the_rewards_and_the_policy_cl
         *("run.trial=rm", "run.max_steps=12", "eval.every_steps=0", "eval.stop_at_accuracy=0"),
         *("allocation.reward_model.workers=1", f"reward.model.path={model_dir}", "reward.model.kind=discriminative"),
         *("reward.fn=hpcrl.reward.judge:reward_model_score", "rollout.max_new_tokens=1"),
-        *("eval.reward_fn=hpcrl.reward.builtin:mod10", "metrics.samples_every_steps=1"),
+        *("eval.reward_fn=hpcrl.reward.builtin:mod10", "metrics.samples_every_steps=1", "rollout.workers=1"),
     ]
     summary_of(run_job(tmp_path, *overrides, timeout=600))
     run_dir = tmp_path / "default" / "rm"
