@@ -136,7 +136,13 @@ class FakeServer:
 
 @contextlib.asynccontextmanager
 async def fake_servers(n: int, host: str = "127.0.0.1") -> AsyncIterator[list[FakeServer]]:
-    servers = [FakeServer(host) for _ in range(n)]
+    async with started([FakeServer(host) for _ in range(n)]) as servers:
+        yield servers
+
+
+@contextlib.asynccontextmanager
+async def started(servers: list[Any]) -> AsyncIterator[list[Any]]:
+    """``servers`` (each with async ``start`` and ``stop``) started, and stopped at the end."""
     try:
         for server in servers:
             await server.start()

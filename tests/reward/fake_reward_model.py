@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from hpcrl.net import format_hostport
+from tests.inference.test_client_fakes import started
 
 
 class FakeRewardModel:
@@ -58,11 +59,5 @@ class FakeRewardModel:
 
 @contextlib.asynccontextmanager
 async def fake_reward_models(n: int) -> AsyncIterator[list[FakeRewardModel]]:
-    servers = [FakeRewardModel() for _ in range(n)]
-    try:
-        for server in servers:
-            await server.start()
+    async with started([FakeRewardModel() for _ in range(n)]) as servers:
         yield servers
-    finally:
-        for server in servers:
-            await server.stop()
