@@ -1,11 +1,11 @@
 """The reward model's servers on the real test Slurm: a job of its own under ``per_role``, a component of its own
-in the workers' heterogeneous job; its inference server killed mid-run fails the run within 30 s naming the
-``reward_model`` role's job, leaving no job (``no_leftover_jobs``)."""
+in the workers' heterogeneous job; every process of it on its node killed mid-run (the worker and its inference
+server, as a crashed node leaves them) fails the run within 30 s naming the ``reward_model`` role's job, leaving no
+job (``no_leftover_jobs``)."""
 
-import os
-import signal
 import time
 
+import psutil
 import pytest
 
 from hpcrl.launch.registry import Registry
@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 
 @pytest.mark.parametrize("mode", ["hetjob", "per_role"])
-def test_a_reward_model_server_killed_mid_run_fails_the_run_naming_its_job(
+def test_a_reward_model_node_s_processes_killed_mid_run_fail_the_run_naming_its_job(
     slurm_cluster, job_prefix, tmp_path, tiny_model, mode
 ):
     overrides = ("allocation.reward_model.workers=1", f"reward.model.path={tiny_model}", "run.max_steps=500")
@@ -26,7 +26,9 @@ def test_a_reward_model_server_killed_mid_run_fails_the_run_naming_its_job(
     run_dir = run_dir_of(tmp_path, job_prefix)
     wait_for_steps(proc, run_dir, 1)
     (entry,) = Registry(run_dir / "registry").entries("reward_model")
-    os.kill(entry.extra["server_pid"], signal.SIGKILL)  # the nodes are network namespaces: their PIDs are this host's
+    worker = psutil.Process(entry.pid)  # the nodes are network namespaces: their PIDs are this host's
+    for process in [worker, *worker.children(recursive=True)]:
+        process.kill()
     killed = time.time()
     code, stderr, exited = finish(proc, timeout_s=120)
     job_id = job_named(f"{job_prefix}reward_model")
