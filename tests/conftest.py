@@ -76,8 +76,14 @@ def run_torchrun(argv: list[str], timeout_s: float, describe: str = "torchrun") 
 # workers beside them
 SLURM_TESTS = ("tests/slurm/", "tests/doctor/test_slurm.py")
 # modules whose tests share one costly module fixture (torchrun launches): one worker runs all of a module's tests,
-# or every worker that gets one of them launches the fixture's runs again (70 s each for test_engine_fsdp.py)
-SHARED_FIXTURE_MODULES = ("tests/train/test_engine_fsdp.py", "tests/train/test_value_engine.py")
+# or every worker that gets one of them launches the fixture's runs again (70 s each for test_engine_fsdp.py);
+# test_package.py's wheel too, which two workers must not build at once (setuptools builds in the tree's build/, and
+# one of two concurrent builds fails on the other's files: CI saw it)
+SHARED_FIXTURE_MODULES = (
+    "tests/train/test_engine_fsdp.py",
+    "tests/train/test_value_engine.py",
+    "tests/test_package.py",
+)
 
 
 @pytest.hookimpl(optionalhook=True)
