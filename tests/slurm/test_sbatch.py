@@ -289,15 +289,20 @@ def summary_of(output: Path) -> dict:
 @pytest.mark.slurm
 @pytest.mark.slow
 @pytest.mark.parametrize(("sync", "algorithm"), [("disk", "grpo"), ("distributed", "ppo")])
-def test_the_whole_run_as_one_heterogeneous_job_submitted_by_hand(slurm_cluster, job_prefix, tmp_path, sync, algorithm):
-    """The whole-run script's het groups are the controller and the roles (ppo: its critic a fourth, on a fourth
-    node); each role runs as an srun step of its own component."""
-    roles = ["server", "trainer"] + (["critic"] if algorithm == "ppo" else [])
+def test_the_whole_run_as_one_heterogeneous_job_submitted_by_hand(
+    slurm_cluster, job_prefix, tmp_path, tiny_model, sync, algorithm
+):
+    """The whole-run script's het groups are the controller and the roles (grpo: the reward model's servers a fourth,
+    ppo: its critic, each on a fourth node); each role runs as an srun step of its own component."""
+    roles = ["server", "trainer"] + (["critic"] if algorithm == "ppo" else ["reward_model"])
     if len(slurm_cluster.nodes) < 1 + len(roles):
         pytest.fail(f"the whole-run hetjob needs {1 + len(roles)} nodes (components never share one); {slurm_cluster}")
     experiment = job_prefix.removeprefix("hpcrl-").rstrip("-")
     overrides = [f"run.root={tmp_path}", f"train.weight_sync={sync}", f"algorithm={algorithm}", *TINY_JOB]
-    job_id = submit_by_hand("hetjob", tmp_path, experiment, *overrides, shape=(f"algorithm={algorithm}",))
+    shape = [f"algorithm={algorithm}"]
+    if algorithm == "grpo":  # a reward model (any model: reward.fn stays mod10) with a server of its own
+        shape += ["allocation.reward_model.workers=1", f"reward.model.path={tiny_model}"]
+    job_id = submit_by_hand("hetjob", tmp_path, experiment, *overrides, *shape[1:], shape=tuple(shape))
     rows = wait_for_job(job_id, timeout_s=400, components=1 + len(roles))
     output = tmp_path / f"hpcrl-{job_id}.out"
     assert rows[f"{job_id}+0"]["State"] == "COMPLETED", (rows, output.read_text()[-3000:])
