@@ -6,8 +6,8 @@ files there), makes the run
 directory ``<run.root>/<run.experiment>/<run.trial>/`` (under ``-m``, ``.../<run.trial>/<job number>/`` for
 each job of the sweep), refuses one where an earlier run left steps unless ``recover.mode=auto`` (or
 the Slurm job was requeued) resumes it, runs the job (``hpcrl.controller.job``) and
-ends with one JSON line on stdout, also written to ``<run dir>/summary.json``: steps, wall_s,
-eval_accuracy_before, eval_accuracy_after, run_dir, final_model (and resumed_from_step when ``recover.mode=auto``
+ends with one JSON line on stdout, also written to ``<run dir>/summary.json``: steps, wall_s, eval_accuracy_before,
+eval_accuracy_after, startup_s, run_dir, final_model (and resumed_from_step when ``recover.mode=auto``
 resumed from a checkpoint). ``run.max_steps=0`` evaluates model.path instead, training nothing
 (``hpcrl.controller.eval_only``: its summary has steps 0, eval_accuracy, eval_rows, evaluated_model, wall_s,
 run_dir). With ``-m hydra/launcher=submitit_slurm`` the same function runs as a Slurm job; the

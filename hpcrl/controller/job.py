@@ -41,6 +41,7 @@ from hpcrl.controller.preempt import PreemptionGuard
 from hpcrl.controller.progress import Progress
 from hpcrl.controller.roles import role_specs
 from hpcrl.controller.servers import ServerPool
+from hpcrl.controller.startup import Startup
 from hpcrl.controller.trainers import Trainers
 from hpcrl.controller.weights import WeightSync
 from hpcrl.gc_freeze import freeze_startup_heap
@@ -67,6 +68,9 @@ log = logging.getLogger(__name__)
 def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None) -> dict[str, Any]:
     from hpcrl.data import decode_columns, load_splits
 
+    startup = Startup()
+    startup.mark("python, imports, config")
+
     if is_plugin(cfg.workflow.name):  # imported here first: one that does not import fails before anything starts
         resolve_workflow(cfg.workflow.name)
     # the columns every reward's functions take go with each row (reward.fn's, eval.reward_fn's, a verifier's)
@@ -74,6 +78,7 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
     train, held_out = load_splits(cfg.dataset, cfg.run.seed, batch=cfg.rollout.prompts_per_step, rewards=rewards)
     train_rows, eval_rows = prepare_rows(cfg, list(map(decode_columns, train)), list(map(decode_columns, held_out)))
     model_path = prepare_model(cfg, run_dir, train_rows + eval_rows)
+    startup.mark("data and model")
     resolved = with_model_paths(cfg, model_path)
     if resolved != cfg:  # a new run's (a resume's is resolved): workers read where the models are
         cfg = resolved
@@ -121,6 +126,7 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
         if reward_models is not None:  # the reward functions here score through its servers
             reward_pool.use_reward_model([e.address for e in reward_models.wait_ready()])
 
+        startup.mark("workers")
         pool = ServerPool(cfg, servers, server_entries, scheduler)
         groups["server"] = lambda: pool.group
 
@@ -132,7 +138,8 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
             if reward_models is not None:  # a dead one fails the run naming it ("reward_model worker 0 exited ...")
                 reward_models.check_alive()
 
-        workers = Workers(None, None, reward_pool, check_alive, servers=pool)  # client and trainers are opened below
+        # client and trainers are opened below
+        workers = Workers(None, None, reward_pool, check_alive, servers=pool, startup=startup)
         if is_plugin(cfg.workflow.name):  # its proxy, for episodes and evaluation here: a port of the controller's slot
             workers.proxy_host = loopback(worker_addresses(cfg.cluster.net)[0])
             workers.proxy_ports = slots.allocator(slots.controller, port_range(cfg.cluster.net))
@@ -196,6 +203,8 @@ async def _drive(cfg, run_dir, workers, addresses, token, rows, preempt) -> dict
         # distributed: trainer rank 0 hosts the group on its own node, with a port of its own slice; LoRA: the
         # initial adapter goes to the servers before any request names it
         await sync.setup()
+        if workers.startup is not None:
+            workers.startup.mark("weight sync setup")
         with Progress(cfg.run.max_steps) as progress:
             loop.progress = progress.update
             freeze_startup_heap("controller")  # every worker, the data and the loop are up

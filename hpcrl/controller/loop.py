@@ -52,6 +52,7 @@ from hpcrl.train.checkpoint import check_checkpoint
 if TYPE_CHECKING:  # types only: importing these here would add the reward pool and RPC to every loop import
     from hpcrl.controller.critics import Critics
     from hpcrl.controller.servers import ServerPool
+    from hpcrl.controller.startup import Startup
     from hpcrl.controller.trainers import Trainers
     from hpcrl.net import PortAllocator
     from hpcrl.reward.pool import RewardPool
@@ -71,6 +72,7 @@ class Workers:
     proxy_host: str = "127.0.0.1"  # a plug-in workflow's proxy here: the loopback address of the run's family
     proxy_ports: PortAllocator | None = None  # ... and the controller's port slot
     critics: Critics | None = None  # RPC to every critic rank (algorithm.advantage=gae)
+    startup: Startup | None = None  # the run's start-up phases, logged when training begins
 
 
 class Loop:
@@ -148,6 +150,7 @@ class Loop:
         executor = self.executor = self._executor()
         restored = await self._begin(executor, sync)
         done = restored.step if restored else 0
+        startup_s = self._startup_done("checkpoint loaded" if restored else "first evaluation")
         # under recover.mode=auto an interrupted run may have logged steps past ``done``: they run again
         keep_until = done if cfg.recover.mode == "auto" else None
         name = f"{cfg.run.experiment}/{cfg.run.trial}"
@@ -189,7 +192,19 @@ class Loop:
             "eval_accuracy_before": self.accuracy_before,
             "eval_accuracy_after": self.accuracy,
         }
+        if startup_s is not None:
+            summary["startup_s"] = startup_s
         return {**summary, "resumed_from_step": done} if restored else summary
+
+    def _startup_done(self, phase: str) -> float | None:
+        """The start-up's last phase marked and its line logged; its seconds for the summary (None when the loop
+        runs without the job, as in unit tests)."""
+        startup = self.w.startup
+        if startup is None:
+            return None
+        startup.mark(phase)
+        log.info("%s", startup.line())
+        return round(startup.seconds(), 2)
 
     async def _begin(self, executor: RolloutExecutor, sync: WeightSync) -> ControllerState | None:
         """Resume from the newest usable checkpoint (recover.mode=auto), or measure the accuracy before step 1."""

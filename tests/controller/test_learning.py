@@ -68,6 +68,10 @@ def check_run_outputs(result, summary, run_dir, rows) -> None:
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "metrics.png").stat().st_size > 10_000
     assert re.search(r"progress: step \d+ of \d+", result.stderr), "progress lines where stderr is no terminal"
+    said = re.search(r"start-up took ([\d.]+) s to the first step: python, imports, config [\d.]+ s, .*", result.stderr)
+    assert said and float(said[1]) == pytest.approx(summary["startup_s"], abs=0.06), "the start-up line and its total"
+    phases = [float(s) for s in re.findall(r" ([\d.]+) s(?:,|$)", said[0].split(": ", 1)[1])]
+    assert len(phases) == 5 and sum(phases) == pytest.approx(summary["startup_s"], abs=0.3), said[0]
     assert not processes_of(str(run_dir)), "no process of the run outlives it"
 
 
