@@ -11,7 +11,8 @@ def test_the_multi_turn_experiment_runs_end_to_end(tmp_path):
     overrides = ["experiment=mod10_multi_turn", "run.trial=mt", "run.max_steps=3", "rollout.prompts_per_step=16"]
     summary = summary_of(run_job(tmp_path, *overrides, "algorithm=ppo"))
     assert set(summary) == {
-        "steps", "wall_s", "eval_accuracy_before", "eval_accuracy_after", "run_dir", "final_model", "final_critic"
+        "steps", "wall_s", "eval_accuracy_before", "eval_accuracy_after", "startup_s", "run_dir", "final_model",
+        "final_critic",
     }  # fmt: skip
     run_dir = tmp_path / "mod10_multi_turn" / "mt"
     assert summary["steps"] == 3 and summary["run_dir"] == str(run_dir)
