@@ -583,6 +583,9 @@ def check_reward(r: RewardConfig) -> None:
     require(r.timeout_s > 0, "reward.timeout_s", r.timeout_s, "seconds > 0")
     one_of("reward.on_error", r.on_error, ("drop", "zero", "fail"))
     require(r.workers >= 1, "reward.workers", r.workers, "an integer >= 1")
+    judge = r.judge
+    require(judge.max_new_tokens >= 1, "reward.judge.max_new_tokens", judge.max_new_tokens, "an integer >= 1")
+    require(judge.temperature >= 0, "reward.judge.temperature", judge.temperature, "a temperature >= 0")
 
 
 def check_reward_model(cfg: Config, allocation: AllocationConfig) -> None:

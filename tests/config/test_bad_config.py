@@ -3,6 +3,7 @@
 import pytest
 
 from hpcrl.config import ConfigError
+from hpcrl.reward.judge import LLM_JUDGE
 from tests.config.compose import load
 
 # (overrides, the one line hpcrl prints after "hpcrl: config error: ")
@@ -155,6 +156,8 @@ def test_multirun_fails_before_the_launcher_submits(main_cli, tmp_path):
         (["algorithm.advantage=magic"], "algorithm.advantage", "one of group_norm"),
         (["algorithm.behavior_weight_cap=0.5"], "algorithm.behavior_weight_cap", "a cap >= 1"),
         (["algorithm.off_policy.kind=is"], "algorithm.off_policy.kind", "one of"),
+        ([f"reward.fn={LLM_JUDGE}", "reward.judge.max_new_tokens=0"], "reward.judge.max_new_tokens", ">= 1"),
+        ([f"reward.fn={LLM_JUDGE}", "reward.judge.temperature=-1"], "reward.judge.temperature", ">= 0"),
         (["algorithm.off_policy.kind=tis", "algorithm.off_policy.cap=0"], "algorithm.off_policy.cap", "> 0"),
         (["algorithm.off_policy.kind=icepop", "algorithm.off_policy.low=1.5"], "algorithm.off_policy.low", "[0, 1]"),
         (["algorithm.off_policy.kind=mis_token", "algorithm.off_policy.high=0.9"], "algorithm.off_policy.high", ">= 1"),
