@@ -69,8 +69,8 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.launch.process import IGNORE_USR2, Child, stop_all
-from hpcrl.net import parse_hostport
 from hpcrl.reward.model_client import RewardModel, RewardModelClient
+from hpcrl.reward.model_link import RewardModelLink
 from hpcrl.reward.outcome import RewardOutcome
 from hpcrl.reward.registry import Reward, RewardFns, specs_of, to_reward
 from hpcrl.reward.worker import MAX_ERROR_CHARS, score_one
@@ -84,11 +84,6 @@ Item = tuple[str, str, str, Mapping[str, Any]]  # (prompt, completion, answer, t
 _KILL_GRACE_S = 2.0  # a timed-out worker's grace between SIGTERM and SIGKILL
 _CLOSE_JOIN_S = 10.0  # how long close() waits for each driver thread after the workers are ended
 _CLOSED = "the reward pool was closed before this item was scored"
-_NO_REWARD_MODEL = (
-    "needs the reward-model servers, and the pool was given none (RewardPool.use_reward_model was not called: "
-    "allocation.reward_model.workers and reward.model.path set the role that serves them)"
-)
-_CLIENT_CLOSE_S = 10.0  # how long close() waits for the reward-model client's session to close
 
 
 class WorkerStartError(RuntimeError):
@@ -129,9 +124,7 @@ class RewardPool:
             tuple(r for r in self.fns.rewards if not r.uses_reward_model), (), self.fns.listed
         )
         self.spec = spec if isinstance(spec, str) else " + ".join(specs_of(spec))  # for messages
-        self.judge, self.model_kind = judge, model_kind
-        self._model_addresses: list[str] | None = None  # use_reward_model's
-        self._client: RewardModelClient | None = None
+        self._link = RewardModelLink(timeout_s, judge, model_kind)  # the reward-model servers, for model rewards
         self.workers = workers
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
@@ -144,7 +137,6 @@ class RewardPool:
         specs = [r.spec for r in self._plain.rewards]
         self._procs = [] if self._here else [_Worker(specs, self.spec, i) for i in range(workers)]
         self._drivers: list[threading.Thread] = []
-        self._waited_before = 0.0  # reward_model_wait_s of clients already closed
 
     # ---- lifecycle
 
@@ -208,7 +200,7 @@ class RewardPool:
                 log.error("reward driver %s did not finish %g s after its worker ended", thread.name, _CLOSE_JOIN_S)
         self._drivers.clear()
         self._stop_workers(forget=True)  # again: a driver may have been starting a replacement
-        self._close_client()
+        self._link.close()
 
     def pids(self) -> list[int]:
         """The PIDs of the worker processes now running (they change when a worker is replaced)."""
@@ -232,65 +224,27 @@ class RewardPool:
     def use_reward_model(self, addresses: list[str]) -> None:
         """Give the pool the reward-model servers (``host:port``, ready) that its model rewards ask; ``ValueError``
         for none or a malformed address. Called again (servers replaced), the next score uses the new ones."""
-        if not addresses:
-            raise ValueError("RewardPool.use_reward_model: no addresses; expected the reward-model servers' host:port")
-        for address in addresses:
-            parse_hostport(address)  # ValueError naming the expected form
-        self._model_addresses = list(addresses)
+        self._link.use(addresses)
 
     def sibling(self, spec: str | Sequence[str]) -> RewardPool:
         """A started pool of another reward (``eval.reward_fn``, best-of-N's ``workflow.verifier``) with this pool's
         workers, timeout, judge settings and reward-model servers, so that a model reward scores there too."""
-        pool = RewardPool(spec, self.workers, self.timeout_s, judge=self.judge, model_kind=self.model_kind).start()
-        if self._model_addresses:
-            pool.use_reward_model(self._model_addresses)
+        link = self._link
+        pool = RewardPool(spec, self.workers, self.timeout_s, judge=link.judge, model_kind=link.kind).start()
+        if link.addresses:
+            pool.use_reward_model(link.addresses)
         return pool
 
     @property
     def reward_model_client(self) -> RewardModelClient | None:
         """The reward-model client now in use (its ``requests``, ``prompts``, ``wait_s``); None before the first
         model reward is scored, and after ``close``."""
-        return self._client
+        return self._link.client
 
     @property
     def reward_model_wait_s(self) -> float:
         """Seconds spent waiting on the reward model, cumulative over the pool's clients (0 with none)."""
-        return self._waited_before + (self._client.wait_s if self._client is not None else 0.0)
-
-    def _reward_model(self) -> RewardModel:
-        """The model rewards' argument: a client of the servers, made in the running loop (again for a new loop or
-        new addresses). ``RuntimeError`` before ``use_reward_model``."""
-        if self._model_addresses is None:
-            raise RuntimeError(_NO_REWARD_MODEL)
-        loop = asyncio.get_running_loop()
-        client = self._client
-        stale = client is not None and (client.addresses != self._model_addresses or client.loop not in (None, loop))
-        if client is None or stale:
-            if client is not None:
-                self._close_client()
-            client = self._client = RewardModelClient(self._model_addresses, self.timeout_s)
-        assert client is not None
-        return RewardModel(client, self.judge if self.judge is not None else _default_judge(), self.model_kind)
-
-    def _close_client(self) -> None:
-        """Close the reward-model client's session in its loop: awaited from another thread, run in a loop that is
-        not running, scheduled from inside the loop itself; a closed loop's session is closed in a loop of its own."""
-        client, self._client = self._client, None
-        if client is None:
-            return
-        self._waited_before += client.wait_s
-        loop = client.loop
-        try:
-            if loop is None or loop.is_closed():
-                _run_apart(client.close())
-            elif not loop.is_running():
-                loop.run_until_complete(client.close())
-            elif _running_loop() is loop:
-                loop.create_task(client.close())
-            else:
-                asyncio.run_coroutine_threadsafe(client.close(), loop).result(_CLIENT_CLOSE_S)
-        except Exception:  # closing is best effort: the run is ending
-            log.warning("closing the reward-model client failed", exc_info=True)
+        return self._link.wait_s
 
     def __enter__(self) -> RewardPool:
         return self.start()
@@ -324,7 +278,7 @@ class RewardPool:
         """The model rewards of every item, all started at once (so a group's calls share batched requests)."""
         rewards = self.fns.model_rewards
         try:
-            reward_model = self._reward_model()
+            reward_model = self._link.reward_model()
         except RuntimeError as e:
             return [RewardOutcome(error=f"{rewards[0].name}: {e}") for _ in items]
         calls = [self._call_model(r, item, reward_model) for item in items for r in rewards]
@@ -613,29 +567,6 @@ def _outcome(message: dict[str, Any]) -> _Values | RewardOutcome:
 def _cut(text: str) -> str:
     """An error text cut as a worker cuts its own (``worker.MAX_ERROR_CHARS``)."""
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
-
-
-def _default_judge() -> Any:
-    from hpcrl.config.schema import JudgeConfig  # here: the config package imports the reward registry
-
-    return JudgeConfig()
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
-
-
-def _run_apart(coro: Any) -> None:
-    """Run ``coro`` to its end in a loop of its own, on a thread of its own if this one is running a loop."""
-    if _running_loop() is None:
-        asyncio.run(coro)
-        return
-    thread = threading.Thread(target=asyncio.run, args=(coro,), name="reward-model-close", daemon=True)
-    thread.start()
-    thread.join(_CLIENT_CLOSE_S)
 
 
 def _finish(batch: _Batch, outcomes: Sequence[_Values | RewardOutcome]) -> None:

@@ -32,7 +32,7 @@ def test_eval_reward_fn_scores_with_its_own_function_and_the_runs_reward_model_s
             items = [("3+4=", "7", "7"), ("3+4=", "71", "7"), ("3+4=", "8", "7")]
             assert [o.value for o in asyncio.run(pool.score(items))] == [1.0, 1.0, 0.0]  # mod10, not the length
             assert [o.value for o in asyncio.run(run_pool.score(items))] == [1.0, 2.0, 1.0]
-            assert pool._model_addresses == ["127.0.0.1:1", "127.0.0.1:2"]  # a model reward there would ask them
+            assert pool._link.addresses == ["127.0.0.1:1", "127.0.0.1:2"]  # a model reward there would ask them
 
 
 def test_the_rows_carry_the_columns_the_held_out_reward_takes():
