@@ -187,7 +187,7 @@ RULES: tuple[Rule, ...] = (
         "run.max_steps >= 1 (training)",
         from_files=False,
     ),
-    # the shorthand replaces the roles (checks.resolve_allocation): an allocation file's roles are what it replaces
+    # the shorthand replaces the roles (allocation.resolve_allocation): an allocation file's roles are what it replaces
     Rule(_keys("allocation", "server trainer critic reward_model"), _NO_SPEC, "no allocation.spec", from_files=False),
 )
 
@@ -199,7 +199,7 @@ ALWAYS: dict[str, tuple[str, ...]] = {
     # tp_size: 1 only, min_workers: null only (checks.check_elastic_fleet)
     "allocation.trainer": ("backend", "workers", "gpus_per_worker", "tp_size", "nodes", "min_workers"),
     "allocation.critic": ("workers", "min_workers"),
-    "allocation.reward_model": ("workers", "min_workers"),  # min_workers: null only (checks._resolve_reward_model)
+    "allocation.reward_model": ("workers", "min_workers"),  # min_workers: null only (allocation._resolve_reward_model)
     "cluster": ("name", "kind", "gpus_per_node", "worker_lease_s", "hang_timeout_s", "env"),
     # the controller's job, when it is one (RULES: a key given without its launcher is refused)
     "cluster.controller": (

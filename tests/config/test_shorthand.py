@@ -74,7 +74,7 @@ def test_the_critic_resolves_where_the_trainer_is_and_only_with_workers():
 
 
 def test_zero_counts_in_shorthand_are_rejected_when_resolved():
-    from hpcrl.config.checks import resolve_allocation
+    from hpcrl.config.allocation import resolve_allocation
     from hpcrl.config.schema import AllocationConfig
 
     with pytest.raises(ConfigError, match=r"allocation.trainer.workers=0 is invalid: expected an integer >= 1"):
