@@ -37,11 +37,7 @@ import time
 from pathlib import Path
 
 from _jobs import median, run_job, table
-
-ALPHABET = "+0123456789="
-TINY = dict(hidden_size=128, num_layers=2, num_heads=4, intermediate_size=512)  # conf/model/tiny.yaml
-PROMPTS, GROUP, LR = 64, 8, 5e-4
-
+from _trl import ALPHABET, GROUP, LR, PROMPTS, TINY, trl_config
 
 # --- TRL, in its own process ----------------------------------------------------------------------------
 
@@ -50,7 +46,7 @@ def trl_run(model_dir: str, seed: int, prompts: int, max_steps: int, time_cap_s:
     started = time.time()
     import torch
     from transformers import AutoModelForCausalLM, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from hpcrl.data.mod10 import make_mod10
     from hpcrl.models.tokenizer import load_tokenizer
@@ -74,35 +70,7 @@ def trl_run(model_dir: str, seed: int, prompts: int, max_steps: int, time_cap_s:
 
     torch.manual_seed(seed)
     train, _ = make_mod10(2000, 200, seed)
-    config = GRPOConfig(
-        output_dir=str(Path(out).parent / f"trl-{seed}"),
-        use_cpu=True,
-        bf16=False,
-        learning_rate=LR,
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        per_device_train_batch_size=prompts * GROUP // 2,
-        gradient_accumulation_steps=1,
-        steps_per_generation=2,
-        num_generations=GROUP,
-        max_completion_length=2,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        beta=0.0,
-        epsilon=0.2,
-        loss_type="grpo",
-        scale_rewards="group",
-        num_iterations=1,
-        gradient_checkpointing=False,
-        logging_steps=2,
-        max_steps=2 * max_steps,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        seed=seed,
-    )
+    config = trl_config(Path(out).parent / f"trl-{seed}", seed, prompts, max_steps)
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(model_dir),
         reward_funcs=reward,
