@@ -29,20 +29,18 @@ import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpcrl.config.load import dump_config
 from hpcrl.config.preflight import row_rewards
 from hpcrl.config.schema import Config
 from hpcrl.controller.hang import HangError, lost_worker, slurm_jobs, stalled_call, write_hang_report
-from hpcrl.controller.loop import Loop, Workers
 from hpcrl.controller.metrics import plot
 from hpcrl.controller.preempt import PreemptionGuard
 from hpcrl.controller.progress import Progress
 from hpcrl.controller.roles import role_specs
 from hpcrl.controller.servers import ServerPool
 from hpcrl.controller.startup import Startup
-from hpcrl.controller.trainers import Trainers
 from hpcrl.controller.weights import WeightSync
 from hpcrl.gc_freeze import freeze_startup_heap
 from hpcrl.inference.client import InferenceClient
@@ -61,6 +59,9 @@ from hpcrl.rollout.workflows.plugin import is_plugin
 from hpcrl.rollout.workflows.plugin import resolve as resolve_workflow
 from hpcrl.rpc.auth import create_token, read_token
 from hpcrl.rundir import RunDir
+
+if TYPE_CHECKING:
+    from hpcrl.controller.trainers import Trainers
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
         LeaseKeeper(registry, [spec.role for spec in specs], controller, token, lease_s, mark_lost),
     ):
         started = dict(zip([spec.role for spec in specs], scheduler.start_all(specs), strict=True))
+        import_the_loop()  # while the workers start
         servers, trainers, critics = started["server"], started["trainer"], started.get("critic")
         groups.update(server=lambda: servers, trainer=lambda: trainers)  # rollout workers: RemoteEpisodes copes
         if critics is not None:
@@ -138,6 +140,8 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
             if reward_models is not None:  # a dead one fails the run naming it ("reward_model worker 0 exited ...")
                 reward_models.check_alive()
 
+        from hpcrl.controller.loop import Workers
+
         # client and trainers are opened below
         workers = Workers(None, None, reward_pool, check_alive, servers=pool, startup=startup)
         if is_plugin(cfg.workflow.name):  # its proxy, for episodes and evaluation here: a port of the controller's slot
@@ -162,6 +166,13 @@ def run_job(cfg: Config, run_dir: RunDir, preempt: PreemptionGuard | None = None
     return {**summary, "run_dir": str(run_dir.path)}
 
 
+def import_the_loop() -> None:
+    """Import the loop's modules, torch among them (2-3 s of one core here), once the workers are starting: the
+    controller's imports then overlap the workers' start-up instead of delaying it (bench/README.md, start-up)."""
+    import hpcrl.controller.loop
+    import hpcrl.controller.trainers  # noqa: F401
+
+
 def _hang_report(
     error: Exception,
     run_dir: RunDir,
@@ -182,6 +193,8 @@ def _hang_report(
 
 async def _drive(cfg, run_dir, workers, addresses, token, rows, preempt) -> dict[str, Any]:
     train_rows, eval_rows = rows
+    from hpcrl.controller.loop import Loop
+    from hpcrl.controller.trainers import Trainers
     from hpcrl.models.tokenizer import load_tokenizer
 
     server_addresses, trainer_addresses, rollout_addresses, critic_addresses = addresses

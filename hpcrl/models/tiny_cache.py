@@ -4,8 +4,10 @@ Building a tiny model costs a process several seconds of CPU, most of it importi
 (which pull in ``torch.distributed.tensor`` and ``torch._dynamo``) only to initialise 0.5M parameters; a cached
 copy costs milliseconds. An entry is keyed by everything that decides the files' bytes: the builder's
 arguments, the source of the modules that write them (``tiny.py``, ``tokenizer.py``), the versions of the
-libraries that initialise and serialise (torch, transformers, tokenizers, safetensors), the machine and the CPU
-kernels torch picked (its random normal fill has a vectorised path per instruction set). An entry is written
+libraries that initialise and serialise (torch, transformers, tokenizers, safetensors), the machine and what
+decides the CPU kernels torch picks (its random normal fill has a vectorised path per instruction set): the CPU's
+feature flags and ``ATEN_CPU_CAPABILITY``, read without importing torch, so that a job whose tiny model is cached
+imports torch only once its workers are starting. An entry is written
 whole into a temporary directory and renamed into place, so a reader sees all of it or nothing; its manifest
 holds every file's SHA-256, checked on each copy out (a damaged entry is rebuilt, not used).
 
@@ -15,6 +17,7 @@ that cannot be written (a read-only home) only costs the rebuild.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -41,16 +44,24 @@ def cache_root() -> Path:
 
 def entry_key(arguments: dict[str, Any], sources: list[Path]) -> str:
     """The SHA-256 of everything that decides a built model's bytes (see the module docstring)."""
-    import torch
-
     facts = {
         "arguments": arguments,
         "sources": {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sources},
         "libraries": {name: version(name) for name in LIBRARIES},
         "machine": platform.machine(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu": cpu_features(),
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
+
+
+def cpu_features() -> str:
+    """What torch picks its CPU kernels by: ``ATEN_CPU_CAPABILITY`` and the CPU's feature flags (``/proc/cpuinfo``'s
+    first ``flags`` line; the processor's name where there is none). Finer than torch's own capability name, so an
+    entry is never shared across what would pick different kernels."""
+    flags = platform.processor()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
+        flags = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("flags")), flags)
+    return f"{os.environ.get('ATEN_CPU_CAPABILITY', '')}|{hashlib.sha256(flags.encode()).hexdigest()}"
 
 
 def copy_or_build(out: Path, key: str, build: Callable[[Path], object]) -> Path:
