@@ -32,16 +32,28 @@ difference that grows with the updates accumulates. Printed:
   ``where`` (the parameter holding that largest difference). Adam's first steps are ``lr * g / (|g| + 1e-8)``
   per element, so where ``|g|`` is near 1e-8 a rounding difference of the gradient moves a parameter by up to a
   good part of ``lr``: compare ``max |dparam|`` with ``lr``, ``max |dgrad|`` with the gradient's rounding.
+- the same replay once more with hpcrl's own advantages (``group_norm`` of TRL's rewards at each minibatch's rows)
+  in place of TRL's: its loss, grad norm and clip fraction, and the mean and max |difference| of its parameters
+  to TRL's after each update (``mean |dparam| TRL adv``: the first replay's mean, for scale). This measures what
+  the one difference in the update rule, the advantages' std, does to the weights.
 
 **Free** (``--free``): per seed, hpcrl as ``python -m hpcrl.main`` with ``bench/trl_grpo.py``'s
 ``hpcrl_overrides`` (its ``metrics.jsonl``), then TRL in this process, logging every generation batch
-(``logging_steps=2``: its means over the batch's two updates; ``grad_norm`` is the second update's). Every
-5th step side by side: ``reward`` (mean training reward; hpcrl ``reward_mean``, TRL ``reward``), ``zero-std``
-(TRL's ``frac_reward_zero_std``; hpcrl logs no such key: ``-``), ``grad norm`` (hpcrl ``grad_norm``, the mean
-of its updates, TRL ``grad_norm``), ``lr``, ``clip`` (hpcrl ``clip_frac``, TRL ``clip_ratio/region_mean``),
-``len`` (mean completion tokens; hpcrl ``completion_len_mean``, TRL ``completions/mean_length``), then each run's
-first step with mean reward >= 0.8 and >= 0.9. Neither logs a mean |advantage|. The keys each side logged
-are listed. ``--steps`` caps both (generation batches).
+(``logging_steps=2``: its means over the batch's two updates). Every 5th step side by side:
+
+- ``reward``: the mean training reward (hpcrl ``reward_mean``, TRL ``reward``);
+- ``zero-std``: the share of groups whose rewards are all equal (TRL ``frac_reward_zero_std``; hpcrl logs no such
+  key, its ``groups_equal_reward`` counts only the groups ``algorithm.drop_equal_reward_groups`` drops: ``-``);
+- ``grad norm``: before clipping, the mean of the batch's two updates (hpcrl ``grad_norm``; TRL's recorded per
+  update, as its logged ``grad_norm`` is the last update's);
+- ``lr``: hpcrl ``lr``, TRL ``learning_rate``;
+- ``clip``: the share of tokens clipped (hpcrl ``clip_frac``, TRL ``clip_ratio/region_mean``);
+- ``len``: mean completion tokens, EOS included (hpcrl ``completion_len_mean``, TRL ``completions/mean_length``);
+- ``gap``: hpcrl's ``mismatch_abs_max``, the largest |server logprob - trainer logprob| of a token before the
+  first update; TRL has none to log: its ``old_per_token_logps`` are its trainer's own forward.
+
+Then each run's first step with mean reward >= 0.8 and >= 0.9. Neither side logs a mean |advantage| (the replay
+compares the advantages). The keys each side logged are listed. ``--steps`` caps both (generation batches).
 """
 
 from __future__ import annotations
@@ -121,7 +133,7 @@ def mod10_reward(prompts, completions, answer, **_):
 
 def run_trl_recorded(model_dir: Path, seed: int, prompts: int, updates: int, work: Path) -> TrlRecord:
     """TRL's GRPOTrainer for ``updates`` optimizer updates, recording each (see the module docstring)."""
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
     from trl import GRPOTrainer
 
     from hpcrl.data.mod10 import make_mod10
@@ -176,6 +188,7 @@ def run_trl_recorded(model_dir: Path, seed: int, prompts: int, updates: int, wor
         processing_class=load_tokenizer(model_dir),
         callbacks=[Steps()],
     )
+    trainer.remove_callback(PrinterCallback)  # it prints the run's summary to stdout
     trainer.train()
     record.settings = trl_settings(trainer)
     return record
@@ -205,10 +218,11 @@ def optimizer_settings(optimizer) -> str:
 # --- hpcrl, replaying TRL's minibatches ---------------------------------------------------------------------------
 
 
-def replay_hpcrl(model_dir: Path, record: TrlRecord) -> tuple[list[dict], str]:
+def replay_hpcrl(model_dir: Path, record: TrlRecord, own_advantages: bool = False) -> tuple[list[dict], str]:
     """hpcrl's ``Engine.train_step`` on each of TRL's minibatches in order; per update its loss, grad norm, lr, clip
     fraction and the max |difference| of its parameters to TRL's after the same update. Also its optimizer's
-    settings."""
+    settings. ``own_advantages``: each sample's advantage is hpcrl's ``group_norm`` of TRL's rewards instead of
+    TRL's (``advantages_of``)."""
     from hpcrl.config.schema import AlgorithmConfig, TrainConfig
     from hpcrl.train.dist import init_distributed
     from hpcrl.train.engine import Engine
@@ -226,20 +240,33 @@ def replay_hpcrl(model_dir: Path, record: TrlRecord) -> tuple[list[dict], str]:
     engine.optimizer.register_step_pre_hook(keep_grads)
     results = []
     try:
-        for update in record.updates:
-            batch = update["batch"]
+        for i, update in enumerate(record.updates):
+            batch = dict(update["batch"])
+            if own_advantages:
+                batch["advantages"] = advantages_of(record, i)
             sequences = to_sequences(*(batch[key] for key in REPLAY_KEYS))
             out = engine.train_step(sequences, loss_fn)
             ours = dict(engine.model.named_parameters())
-            dparam = {name: float((ours[name].detach() - p).abs().max()) for name, p in update["params"].items()}
+            gaps = {name: (ours[name].detach() - p).abs() for name, p in update["params"].items()}
+            dparam = {name: float(gap.max()) for name, gap in gaps.items()}
             worst = max(dparam, key=dparam.__getitem__)
+            mean = float(sum(gap.sum() for gap in gaps.values()) / sum(gap.numel() for gap in gaps.values()))
             dgrad = max(float((grads[name] - g).abs().max()) for name, g in update["grads"].items())
             metrics = {k: out[k] for k in ("loss", "grad_norm", "lr", "clip_frac")}
-            results.append({**metrics, "max_dgrad": dgrad, "max_dparam": dparam[worst], "worst": worst})
+            results.append(
+                {**metrics, "max_dgrad": dgrad, "max_dparam": dparam[worst], "mean_dparam": mean, "worst": worst}
+            )
         settings = optimizer_settings(engine.optimizer)
     finally:
         torch.distributed.destroy_process_group()
     return results, settings
+
+
+def advantages_of(record: TrlRecord, update: int) -> torch.Tensor:
+    """hpcrl's advantages of update ``update``'s minibatch: ``group_norm`` of its generation batch's rewards, taken
+    at the minibatch's rows (TRL shuffles the batch before splitting it; two updates a generation batch)."""
+    rewards = record.generations[update // 2]["rewards"]
+    return hpcrl_advantages(rewards)[record.updates[update]["row"]]
 
 
 def hpcrl_advantages(rewards: torch.Tensor) -> torch.Tensor:
@@ -328,6 +355,7 @@ def replay(args) -> None:
         model_dir = make_tiny_model(work / "model", seed=args.seed, characters=ALPHABET, **TINY)
         record = run_trl_recorded(model_dir, args.seed, args.prompts, args.updates, work)
         ours, hpcrl_optimizer = replay_hpcrl(model_dir, record)
+        own, _ = replay_hpcrl(model_dir, record, own_advantages=True)
         eos_id = load_tokenizer(model_dir).eos_token_id
     rollout = RolloutConfig()
     print(f"seed {args.seed}, {args.prompts} prompts x {GROUP}, {args.updates} updates; TRL's minibatches replayed")
@@ -356,6 +384,15 @@ def replay(args) -> None:
         f"over the updates: max |dparam| {worst:.2e} ({worst / LR:.3f} of lr); max |dloss| {loss_gap:.2e}; "
         f"max |dgrad norm| {norm_gap:.2e}; max |dgrad| {max(r['max_dgrad'] for r in ours):.2e}"
     )
+    print()
+    print("the same replay with hpcrl's own advantages (group_norm of TRL's rewards), against TRL's weights:")
+    header = ["update", "loss", "grad norm", "clip", "mean |dparam| TRL adv", "mean |dparam|", "max |dparam|", "where"]
+    rows = []
+    for i, (o, t) in enumerate(zip(own, ours, strict=True)):
+        cells = [o["loss"], o["grad_norm"], o["clip_frac"], t["mean_dparam"], o["mean_dparam"], o["max_dparam"]]
+        formatted = (f"{c:.3g}" if j < 3 else f"{c:.1e}" for j, c in enumerate(cells))
+        rows.append([i + 1, *formatted, o["worst"].removeprefix("model.")])
+    print(table(header, rows))
 
 
 # --- free runs ----------------------------------------------------------------------------------------------------
@@ -363,23 +400,30 @@ def replay(args) -> None:
 
 def run_trl_free(model_dir: Path, seed: int, prompts: int, steps: int, work: Path) -> list[dict]:
     """TRL's logs, one per generation batch (its means over the batch's two updates)."""
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
     from trl import GRPOTrainer
 
     from hpcrl.data.mod10 import make_mod10
     from hpcrl.models.tokenizer import load_tokenizer
 
     logs: list[dict] = []
+    norms: list[float] = []
+
+    class NormKeeping(GRPOTrainer):
+        def _get_grad_norm(self, model, grad_norm=None):
+            norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+            norms.append(float(norm))
+            return norm
 
     class Keep(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "reward" in logs:
-                kept.append({"step": state.global_step // 2, **logs})
+            if logs and "reward" in logs:  # grad_norm_mean: as hpcrl's grad_norm, the mean of the batch's updates
+                kept.append({"step": state.global_step // 2, **logs, "grad_norm_mean": sum(norms[-2:]) / 2})
 
     kept = logs
     torch.manual_seed(seed)
     train, _ = make_mod10(2000, 200, seed)
-    trainer = GRPOTrainer(
+    trainer = NormKeeping(
         model=AutoModelForCausalLM.from_pretrained(model_dir),
         reward_funcs=mod10_reward,
         args=trl_config(work / f"trl-{seed}", seed, prompts, steps),
@@ -387,6 +431,7 @@ def run_trl_free(model_dir: Path, seed: int, prompts: int, steps: int, work: Pat
         processing_class=load_tokenizer(model_dir),
         callbacks=[Keep()],
     )
+    trainer.remove_callback(PrinterCallback)  # it prints every log line to stdout
     trainer.train()
     return logs
 
@@ -403,10 +448,11 @@ def run_hpcrl_free(model_dir: Path, seed: int, prompts: int, steps: int, work: P
 FREE_COLUMNS = {
     "reward": ("reward_mean", "reward"),
     "zero-std": (None, "frac_reward_zero_std"),
-    "grad norm": ("grad_norm", "grad_norm"),
+    "grad norm": ("grad_norm", "grad_norm_mean"),
     "lr": ("lr", "learning_rate"),
     "clip": ("clip_frac", "clip_ratio/region_mean"),
     "len": ("completion_len_mean", "completions/mean_length"),
+    "gap": ("mismatch_abs_max", None),
 }
 
 
