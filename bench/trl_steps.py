@@ -32,6 +32,9 @@ difference that grows with the updates accumulates. Printed:
   ``where`` (the parameter holding that largest difference). Adam's first steps are ``lr * g / (|g| + 1e-8)``
   per element, so where ``|g|`` is near 1e-8 a rounding difference of the gradient moves a parameter by up to a
   good part of ``lr``: compare ``max |dparam|`` with ``lr``, ``max |dgrad|`` with the gradient's rounding.
+  ``ms TRL`` and ``ms hpcrl``: the update's wall time in this process (TRL: from its ``compute_loss`` to its
+  optimizer step's callback; hpcrl: its ``train_step`` call, micro-batching and metrics included), with their
+  medians over the updates after the first.
 - the same replay once more with hpcrl's own advantages (``group_norm`` of TRL's rewards at each minibatch's rows)
   in place of TRL's: its loss, grad norm and clip fraction, and the mean and max |difference| of its parameters
   to TRL's after each update (``mean |dparam| TRL adv``: the first replay's mean, for scale). This measures what
@@ -62,11 +65,12 @@ import argparse
 import math
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from _jobs import table
+from _jobs import median, table
 from _trl import ALPHABET, GROUP, LR, PROMPTS, TINY, trl_config
 
 from hpcrl.train.batch import Sequence
@@ -155,12 +159,15 @@ def run_trl_recorded(model_dir: Path, seed: int, prompts: int, updates: int, wor
             return out
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            started = time.perf_counter()  # the update's forward, backward, clipping and optimizer step from here
             inputs = dict(inputs)
             row = inputs.pop("row")
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             batch = {key: inputs[key].detach().clone() for key in REPLAY_KEYS}
             clip = self._metrics["train"]["clip_ratio/region_mean"][-1]
-            record.updates.append({"batch": batch, "row": row.clone(), "loss": float(loss.detach()), "clip": clip})
+            record.updates.append(
+                {"batch": batch, "row": row.clone(), "loss": float(loss.detach()), "clip": clip, "started": started}
+            )
             return loss
 
         def _get_grad_norm(self, model, grad_norm=None):
@@ -174,8 +181,9 @@ def run_trl_recorded(model_dir: Path, seed: int, prompts: int, updates: int, wor
             record.updates[-1]["grads"] = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
 
         def on_optimizer_step(self, args, state, control, model=None, **kw):
-            params = {name: p.detach().clone() for name, p in model.named_parameters()}
-            record.updates[-1]["params"] = params
+            update = record.updates[-1]
+            update["seconds"] = time.perf_counter() - update["started"]
+            update["params"] = {name: p.detach().clone() for name, p in model.named_parameters()}
 
     torch.manual_seed(seed)
     train, _ = make_mod10(2000, 200, seed)
@@ -245,7 +253,9 @@ def replay_hpcrl(model_dir: Path, record: TrlRecord, own_advantages: bool = Fals
             if own_advantages:
                 batch["advantages"] = advantages_of(record, i)
             sequences = to_sequences(*(batch[key] for key in REPLAY_KEYS))
+            started = time.perf_counter()
             out = engine.train_step(sequences, loss_fn)
+            seconds = time.perf_counter() - started
             ours = dict(engine.model.named_parameters())
             gaps = {name: (ours[name].detach() - p).abs() for name, p in update["params"].items()}
             dparam = {name: float(gap.max()) for name, gap in gaps.items()}
@@ -255,6 +265,7 @@ def replay_hpcrl(model_dir: Path, record: TrlRecord, own_advantages: bool = Fals
             metrics = {k: out[k] for k in ("loss", "grad_norm", "lr", "clip_frac")}
             results.append(
                 {**metrics, "max_dgrad": dgrad, "max_dparam": dparam[worst], "mean_dparam": mean, "worst": worst}
+                | {"seconds": seconds}
             )
         settings = optimizer_settings(engine.optimizer)
     finally:
@@ -326,6 +337,8 @@ def update_rows(record: TrlRecord, ours: list[dict]) -> list[list]:
                 f"{hp['max_dgrad']:.1e}",
                 f"{hp['max_dparam']:.1e}",
                 hp["worst"].removeprefix("model."),
+                f"{1000 * trl['seconds']:.0f}",
+                f"{1000 * hp['seconds']:.0f}",
             ]
         )
     return rows
@@ -375,8 +388,15 @@ def replay(args) -> None:
     print()
     header = ["update", "size", "groups", "split", "len", "loss TRL", "loss hpcrl", "grad norm TRL"]
     header += ["grad norm hpcrl", "lr TRL", "lr hpcrl", "clip TRL", "clip hpcrl"]
-    header += ["max |dgrad|", "max |dparam|", "where"]
+    header += ["max |dgrad|", "max |dparam|", "where", "ms TRL", "ms hpcrl"]
     print(table(header, update_rows(record, ours)))
+    later = list(zip(record.updates, ours, strict=True))[1:]  # the first update warms both up
+    trl_s, hpcrl_s = (sorted(u["seconds"] for u in side) for side in zip(*later, strict=True))
+    print(
+        f"an update (forward, backward, clipping, optimizer step) on the same minibatch in this process, "
+        f"median of updates 2-{len(ours)}: "
+        f"TRL {1000 * median(trl_s):.0f} ms, hpcrl {1000 * median(hpcrl_s):.0f} ms"
+    )
     worst = max(r["max_dparam"] for r in ours)
     loss_gap = max(abs(t["loss"] - h["loss"]) for t, h in zip(record.updates, ours, strict=True))
     norm_gap = max(abs(t["grad_norm"] - h["grad_norm"]) for t, h in zip(record.updates, ours, strict=True))
