@@ -34,6 +34,11 @@ class JobResult:
     metrics: list[dict[str, Any]] = field(default_factory=list)  # metrics.jsonl, one dict per step
     stopped_s: float | None = None  # when ``stop_when`` held, from the command's start (0.5 s resolution)
     cpu: list[tuple[float, float, int]] = field(default_factory=list)  # (time, tree CPU seconds, steps logged)
+    started: float = 0.0  # the command's start, time.monotonic()
+
+    def logged_s(self, steps: int) -> float | None:
+        """When ``metrics.jsonl`` first held ``steps`` lines, from the command's start (0.5 s resolution), or None."""
+        return next((at - self.started for at, _, logged in self.cpu if logged >= steps), None)
 
     def steps_s(self) -> float:
         """Wall time of the train steps (rollout wait + train + weight sync), evaluations and start-up excluded."""
@@ -79,7 +84,7 @@ def run_job(
     if proc.returncode != 0 and stopped is None:
         raise RuntimeError(f"{' '.join(cmd)}\nexited with {proc.returncode}; last output:\n{text[-3000:]}")
     summary = json.loads(text.strip().splitlines()[-1]) if stopped is None else None
-    return JobResult(run_dir, process_s, summary, read_metrics(run_dir / "metrics.jsonl"), stopped, cpu)
+    return JobResult(run_dir, process_s, summary, read_metrics(run_dir / "metrics.jsonl"), stopped, cpu, start)
 
 
 def _watch(proc: subprocess.Popen, metrics_file: Path, start: float, timeout_s: float, stop_when, cpu) -> float | None:

@@ -1,7 +1,7 @@
 """hpcrl against TRL's GRPOTrainer: wall-clock to a mean training reward of 0.8 on the mod10 task.
 
-    python bench/trl_grpo.py [--runs 3] [--max-steps 150] [--time-cap-s 600] [--target 0.8] [--trl-threads N]
-                             [--quick]
+    python bench/trl_grpo.py [--runs 3] [--max-steps 150] [--time-cap-s 600] [--target 0.8] [--also 0.9]
+                             [--trl-threads N] [--quick]
 
 Needs TRL in the venv (only for this benchmark): ``pip install trl==1.16.0`` (with transformers 5.x).
 
@@ -20,6 +20,8 @@ process (this script with ``--trl-run``: CPU, no vLLM, generation with ``model.g
 a step's mean reward over its 512 completions reaches ``--target``, or at ``--max-steps`` steps (a step =
 one batch of 512 = 2 optimizer updates) or ``--time-cap-s``. Reported: steps and seconds to the target,
 training only (hpcrl: the steps' ``time_step_s``; TRL: from ``on_train_begin``) and from the command's start.
+``--also`` adds targets (e.g. 0.9) that each run goes on to: the steps to each, per seed, with their median and
+range; the ratios stay those of ``--target``, which come from the same runs.
 TRL runs with torch's default threads (one per core) unless ``--trl-threads`` says otherwise: a 2-thread
 process slows several-fold on a machine whose cores others are using.
 """
@@ -65,7 +67,7 @@ def trl_run(model_dir: str, seed: int, prompts: int, max_steps: int, time_cap_s:
             if logs and "reward" in logs:
                 now = time.time()
                 record["log"].append((state.global_step // 2, logs["reward"], now))
-                if logs["reward"] >= target or now - record["train_begin"] > time_cap_s:
+                if logs["reward"] >= target or now - record["train_begin"] > time_cap_s:  # the highest target
                     control.should_training_stop = True
 
     torch.manual_seed(seed)
@@ -86,7 +88,7 @@ def trl_run(model_dir: str, seed: int, prompts: int, max_steps: int, time_cap_s:
 def run_trl(model_dir: Path, seed: int, args, work: Path) -> dict:
     out = work / f"trl-{seed}.json"
     cmd = [sys.executable, __file__, "--trl-run", str(model_dir), str(seed), str(args.prompts), str(args.max_steps)]
-    cmd += [str(args.time_cap_s), str(args.target), str(out)]
+    cmd += [str(args.time_cap_s), str(max(targets(args))), str(out)]
     env = {**os.environ, **({"OMP_NUM_THREADS": str(args.trl_threads)} if args.trl_threads else {})}
     spawned = time.time()
     with (work / f"trl-{seed}.out").open("w") as log:
@@ -102,6 +104,7 @@ def run_trl(model_dir: Path, seed: int, args, work: Path) -> dict:
         "train_s": (hit[2] if hit else log_[-1][2]) - record["train_begin"],
         "command_s": (hit[2] if hit else log_[-1][2]) - spawned,
         "last_reward": log_[-1][1],
+        "steps_to": {t: next((row[0] for row in log_ if row[1] >= t), None) for t in targets(args)},
     }
 
 
@@ -127,7 +130,7 @@ def hpcrl_overrides(model_dir: Path, seed: int, max_steps: int, prompts: int) ->
 
 def run_hpcrl(model_dir: Path, seed: int, args, work: Path) -> dict:
     def reached(metrics) -> bool:
-        return any(m["reward_mean"] >= args.target for m in metrics)
+        return any(m["reward_mean"] >= max(targets(args)) for m in metrics)
 
     start = time.monotonic()
 
@@ -145,8 +148,9 @@ def run_hpcrl(model_dir: Path, seed: int, args, work: Path) -> dict:
         "reached": hit is not None,
         "steps": len(upto),
         "train_s": sum(m["time_step_s"] for m in upto),
-        "command_s": job.stopped_s if hit is not None else job.process_s,
+        "command_s": job.logged_s(len(upto)) if hit is not None else job.process_s,
         "last_reward": upto[-1]["reward_mean"],
+        "steps_to": {t: next((m["step"] for m in metrics if m["reward_mean"] >= t), None) for t in targets(args)},
     }
 
 
@@ -156,6 +160,7 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=150, help="step cap of each run (a step = 512 samples)")
     parser.add_argument("--time-cap-s", type=float, default=600, help="training time cap of each run")
     parser.add_argument("--target", type=float, default=0.8, help="mean training reward of one step")
+    parser.add_argument("--also", type=float, nargs="*", default=[], help="more targets to record steps to")
     parser.add_argument("--prompts", type=int, default=PROMPTS, help="prompts per step (x 8 completions)")
     parser.add_argument("--trl-threads", type=int, default=0, help="TRL's torch threads; 0 = torch's default")
     parser.add_argument("--quick", action="store_true", help="2 steps of 8 prompts, one run (smoke test)")
@@ -218,6 +223,24 @@ def report(results: dict[str, list[dict]], args) -> None:
     print(
         f"TRL / hpcrl time to the target, training = {ratio:.2f} (goal >= 1): {verdict}; whole command = {command:.2f}"
     )
+    print(steps_table(results, args))
+
+
+def targets(args) -> list[float]:
+    return sorted({args.target, *args.also})
+
+
+def steps_table(results: dict[str, list[dict]], args) -> str:
+    """Steps to each target per trainer: every seed's, their median and range (``-``: not reached)."""
+    rows = []
+    for name, runs in results.items():
+        for t in targets(args):
+            steps = [r["steps_to"][t] for r in runs]
+            reached = [n for n in steps if n is not None]
+            spread = f"{min(reached)}-{max(reached)}" if reached else "-"
+            each = ", ".join("-" if n is None else str(n) for n in steps)
+            rows.append([name, t, f"{len(reached)}/{len(runs)}", median(reached) if reached else "-", spread, each])
+    return table(["trainer", "target", "reached", "median steps", "range", "steps, seeds 0.."], rows)
 
 
 if __name__ == "__main__":
