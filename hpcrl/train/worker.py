@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from hpcrl.config.load import load_run_config
+    from hpcrl.denormals import flush_denormals
     from hpcrl.launch.addresses import port_range, worker_addresses
     from hpcrl.launch.registry import Entry, Registry
     from hpcrl.launch.slots import worker_ports
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from hpcrl.train.dist import collective_timeout_s, init_distributed
     from hpcrl.train.service import TrainerService
 
+    flushed = flush_denormals()  # before any thread starts, each inheriting it: subnormals slowed a seed's updates 2.5x
     run_dir = RunDir(Path(args.run_dir))
     watch_stack_requests(run_dir.path, args.role, rank)  # a hang report asks for every rank's stacks
     cfg = load_run_config(run_dir.config_file)
@@ -91,7 +93,14 @@ def main(argv: list[str] | None = None) -> int:
         extra = {"lease": lease.serve(token, bind, ports.allocate(1)[0], advertised)} if lease else {}
         entry = Registry(run_dir.registry).register(Entry(args.role, rank, advertised, port, extra=extra))
         threads = torch.get_num_threads()
-        log.info("ready: trainer RPC at %s (registered in %s; %d torch threads)", server.address, entry, threads)
+        denormals = "subnormals flushed to zero" if flushed else "subnormals computed"
+        log.info(
+            "ready: trainer RPC at %s (registered in %s; %d torch threads, %s)",
+            server.address,
+            entry,
+            threads,
+            denormals,
+        )
         freeze_startup_heap(args.role)
         server.serve_until_stopped()
         log.info("shut down by the controller")

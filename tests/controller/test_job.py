@@ -57,10 +57,11 @@ def frozen_heaps(run_dir) -> dict[str, list[int]]:
 
 
 def torch_threads(run_dir) -> dict[str, int]:
-    """Per trainer or critic rank's log file, the torch threads its ready line names."""
+    """Per trainer or critic rank's log file, the torch threads its ready line names (which also says that the
+    rank flushes subnormal floats to zero: ``hpcrl/denormals.py``)."""
     found = {}
     for log in sorted((run_dir / "logs").glob("*.log")):
-        threads = re.search(r"; (\d+) torch threads\)", log.read_text())
+        threads = re.search(r"; (\d+) torch threads, subnormals flushed to zero\)", log.read_text())
         if threads:
             found[log.stem] = int(threads.group(1))
     return found

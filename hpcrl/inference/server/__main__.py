@@ -220,12 +220,16 @@ def refuse_generation_flags(args: argparse.Namespace) -> None:
 
 def set_torch_threads(requested: int) -> int:
     """Set torch's intra-op threads: ``requested``, or with 0 this process's cores less the one the HTTP loop
-    needs. On a small machine every torch thread beyond the free cores spin-waits against the loop answering
-    requests (2 threads on 2 shared cores made a step of 512 short requests several times slower than 1)."""
+    needs, each flushing subnormal floats to zero. On a small machine every torch thread beyond the free cores
+    spin-waits against the loop answering requests (2 threads on 2 shared cores made a step of 512 short requests
+    several times slower than 1)."""
     import torch
+
+    from hpcrl.denormals import flush_denormals
 
     threads = requested or max(1, usable_cores() - 1)
     torch.set_num_threads(threads)
+    flush_denormals()  # before the threads start: subnormals slowed one seed's generation 1.7x (hpcrl/denormals.py)
     return threads
 
 
