@@ -1,7 +1,8 @@
 """What the TRL benchmarks share: the task's model sizes and batch, and the ``GRPOConfig`` that gives TRL's
 ``GRPOTrainer`` the default job's settings (``bench/trl_grpo.py``, ``bench/trl_steps.py``).
 
-TRL is imported only inside ``trl_config``: the constants serve scripts and tests that run without it.
+TRL is imported only inside ``trl_config`` and ``make_trainer``: the constants serve scripts and tests that run
+without it.
 """
 
 from __future__ import annotations
@@ -51,3 +52,35 @@ def trl_config(output_dir: str | Path, seed: int, prompts: int, max_steps: int, 
         seed=seed,
     )
     return GRPOConfig(**{**values, **overrides})
+
+
+def mod10_reward(prompts, completions, answer, **_):
+    """``hpcrl.reward.builtin:mod10`` as a TRL reward function."""
+    from hpcrl.reward.builtin import mod10
+
+    return [mod10(p, c, a) for p, c, a in zip(prompts, completions, answer, strict=True)]
+
+
+def make_trainer(trainer_class, model_dir: str | Path, seed: int, config, callbacks: list):
+    """``trainer_class`` (TRL's ``GRPOTrainer`` or a subclass of it) on the mod10 task's training rows of ``seed``
+    (``make_mod10(2000, 200, seed)``, the bench's hpcrl job's) with the model at ``model_dir``, the mod10 reward,
+    ``config`` (``trl_config``) and ``callbacks``; torch seeded with ``seed``. Without TRL's printer callback, which
+    prints every log line to stdout."""
+    import torch
+    from transformers import AutoModelForCausalLM, PrinterCallback
+
+    from hpcrl.data.mod10 import make_mod10
+    from hpcrl.models.tokenizer import load_tokenizer
+
+    torch.manual_seed(seed)
+    train, _ = make_mod10(2000, 200, seed)
+    trainer = trainer_class(
+        model=AutoModelForCausalLM.from_pretrained(model_dir),
+        reward_funcs=mod10_reward,
+        args=config,
+        train_dataset=train,
+        processing_class=load_tokenizer(model_dir),
+        callbacks=callbacks,
+    )
+    trainer.remove_callback(PrinterCallback)
+    return trainer

@@ -39,23 +39,15 @@ import time
 from pathlib import Path
 
 from _jobs import median, run_job, table
-from _trl import ALPHABET, GROUP, LR, PROMPTS, TINY, trl_config
+from _trl import ALPHABET, GROUP, LR, PROMPTS, TINY, make_trainer, trl_config
 
 # --- TRL, in its own process ----------------------------------------------------------------------------
 
 
 def trl_run(model_dir: str, seed: int, prompts: int, max_steps: int, time_cap_s: float, target: float, out: str):
     started = time.time()
-    import torch
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import TrainerCallback
     from trl import GRPOTrainer
-
-    from hpcrl.data.mod10 import make_mod10
-    from hpcrl.models.tokenizer import load_tokenizer
-    from hpcrl.reward.builtin import mod10
-
-    def reward(prompts, completions, answer, **_):
-        return [mod10(p, c, a) for p, c, a in zip(prompts, completions, answer, strict=True)]
 
     record: dict = {"started": started, "log": []}
 
@@ -70,18 +62,8 @@ def trl_run(model_dir: str, seed: int, prompts: int, max_steps: int, time_cap_s:
                 if logs["reward"] >= target or now - record["train_begin"] > time_cap_s:  # the highest target
                     control.should_training_stop = True
 
-    torch.manual_seed(seed)
-    train, _ = make_mod10(2000, 200, seed)
     config = trl_config(Path(out).parent / f"trl-{seed}", seed, prompts, max_steps)
-    trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_dir),
-        reward_funcs=reward,
-        args=config,
-        train_dataset=train,
-        processing_class=load_tokenizer(model_dir),
-        callbacks=[Stop()],
-    )
-    trainer.train()
+    make_trainer(GRPOTrainer, model_dir, seed, config, [Stop()]).train()
     Path(out).write_text(json.dumps(record))
 
 

@@ -71,7 +71,7 @@ from pathlib import Path
 
 import torch
 from _jobs import median, table
-from _trl import ALPHABET, GROUP, LR, PROMPTS, TINY, trl_config
+from _trl import ALPHABET, GROUP, LR, PROMPTS, TINY, make_trainer, trl_config
 
 from hpcrl.train.batch import Sequence
 
@@ -129,19 +129,10 @@ class TrlRecord:
     settings: dict = field(default_factory=dict)
 
 
-def mod10_reward(prompts, completions, answer, **_):
-    from hpcrl.reward.builtin import mod10
-
-    return [mod10(p, c, a) for p, c, a in zip(prompts, completions, answer, strict=True)]
-
-
 def run_trl_recorded(model_dir: Path, seed: int, prompts: int, updates: int, work: Path) -> TrlRecord:
     """TRL's GRPOTrainer for ``updates`` optimizer updates, recording each (see the module docstring)."""
-    from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
+    from transformers import TrainerCallback
     from trl import GRPOTrainer
-
-    from hpcrl.data.mod10 import make_mod10
-    from hpcrl.models.tokenizer import load_tokenizer
 
     record = TrlRecord()
 
@@ -185,18 +176,8 @@ def run_trl_recorded(model_dir: Path, seed: int, prompts: int, updates: int, wor
             update["seconds"] = time.perf_counter() - update["started"]
             update["params"] = {name: p.detach().clone() for name, p in model.named_parameters()}
 
-    torch.manual_seed(seed)
-    train, _ = make_mod10(2000, 200, seed)
     config = trl_config(work / "trl", seed, prompts, updates // 2, logging_steps=10**6)
-    trainer = Recording(
-        model=AutoModelForCausalLM.from_pretrained(model_dir),
-        reward_funcs=mod10_reward,
-        args=config,
-        train_dataset=train,
-        processing_class=load_tokenizer(model_dir),
-        callbacks=[Steps()],
-    )
-    trainer.remove_callback(PrinterCallback)  # it prints the run's summary to stdout
+    trainer = make_trainer(Recording, model_dir, seed, config, [Steps()])
     trainer.train()
     record.settings = trl_settings(trainer)
     return record
@@ -420,11 +401,8 @@ def replay(args) -> None:
 
 def run_trl_free(model_dir: Path, seed: int, prompts: int, steps: int, work: Path) -> list[dict]:
     """TRL's logs, one per generation batch (its means over the batch's two updates)."""
-    from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
+    from transformers import TrainerCallback
     from trl import GRPOTrainer
-
-    from hpcrl.data.mod10 import make_mod10
-    from hpcrl.models.tokenizer import load_tokenizer
 
     logs: list[dict] = []
     norms: list[float] = []
@@ -441,17 +419,9 @@ def run_trl_free(model_dir: Path, seed: int, prompts: int, steps: int, work: Pat
                 kept.append({"step": state.global_step // 2, **logs, "grad_norm_mean": sum(norms[-2:]) / 2})
 
     kept = logs
-    torch.manual_seed(seed)
-    train, _ = make_mod10(2000, 200, seed)
-    trainer = NormKeeping(
-        model=AutoModelForCausalLM.from_pretrained(model_dir),
-        reward_funcs=mod10_reward,
-        args=trl_config(work / f"trl-{seed}", seed, prompts, steps),
-        train_dataset=train,
-        processing_class=load_tokenizer(model_dir),
-        callbacks=[Keep()],
+    trainer = make_trainer(
+        NormKeeping, model_dir, seed, trl_config(work / f"trl-{seed}", seed, prompts, steps), [Keep()]
     )
-    trainer.remove_callback(PrinterCallback)  # it prints every log line to stdout
     trainer.train()
     return logs
 
