@@ -2,13 +2,14 @@
 server).
 
 A float32 below 1.2e-38 is subnormal, and x86 cores compute with one tens of times slower than with a normal
-number. Training makes them: Adam's second moment of a parameter whose gradients are tiny (a squared 1e-20 is
-1e-40), and what flows from it. On this project's 2-core machine one seed of the default job (``bench/trl_grpo.py``
-seed 0) stepped in 0.88 s instead of 0.42 s, its trainer's updates 2.5x and its server's generation 1.7x slower,
-all of it subnormal arithmetic: with subnormals flushed (the CPU's flush-to-zero and denormals-are-zero modes,
-``torch.set_flush_denormal``) the same run took the same steps with the same rewards at the other seeds' pace. A
-value that small is far below what float32 training or sampling resolves (bf16's smallest normal is the same
-1.2e-38), so nothing measurable is lost; XLA does the same on CPUs by default. It changes nothing on a GPU.
+number. Training can make them (Adam's second moment of a parameter whose gradients are tiny: a squared 1e-20 is
+1e-40; where they arose here was not traced). On this project's 2-core machine one seed of the default job
+(``bench/trl_grpo.py`` seed 0) stepped in 0.88 s instead of about 0.45 s, its trainer's updates 2.5x and its
+server's generation 1.7x slower with the same tokens a step; with subnormals flushed (the CPU's flush-to-zero and
+denormals-are-zero modes, ``torch.set_flush_denormal``) it stepped at the other seeds' pace. Flushing changes the
+arithmetic in the last bits, so a run's trajectory may move a little (one seed of eight reached a mean reward of
+0.8 at step 130 instead of 119). A value that small is below bf16's smallest normal too (the same 1.2e-38). It
+changes nothing on a GPU.
 """
 
 from __future__ import annotations

@@ -64,16 +64,10 @@ def test_an_unwritable_cache_builds_in_place(tmp_path, monkeypatch):
     assert files(out) == files(tiny.make_tiny_model(tmp_path / "fresh", cache=False, **SIZES))
 
 
-def test_what_picks_torchs_cpu_kernels_keys_an_entry_without_importing_torch(monkeypatch):
-    """The key changes with ``ATEN_CPU_CAPABILITY`` (torch's kernels, and so the random fill, may change with it),
-    and it is computed in a process that has not imported torch: the controller imports torch only once its
-    workers are starting (``controller.job.import_the_loop``)."""
-    import subprocess
-    import sys
-
+def test_what_picks_torchs_cpu_kernels_keys_an_entry(monkeypatch):
+    """The key changes with ``ATEN_CPU_CAPABILITY``: torch's kernels, and so the random fill, may change with it.
+    (That the key is computed without importing torch: tests/controller/test_startup.py.)"""
     arguments, sources = {"seed": 0}, [Path(tiny_cache.__file__)]
     default = tiny_cache.entry_key(arguments, sources)
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
     assert tiny_cache.entry_key(arguments, sources) != default
-    probe = "import sys; from hpcrl.models import tiny_cache; tiny_cache.cpu_features(); print('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "False"
