@@ -45,8 +45,8 @@ difference that grows with the updates accumulates. Printed:
 (``logging_steps=2``: its means over the batch's two updates). Every 5th step side by side:
 
 - ``reward``: the mean training reward (hpcrl ``reward_mean``, TRL ``reward``);
-- ``zero-std``: the share of groups whose rewards are all equal (TRL ``frac_reward_zero_std``; hpcrl logs no such
-  key, its ``groups_equal_reward`` counts only the groups ``algorithm.drop_equal_reward_groups`` drops: ``-``);
+- ``zero-std``: the share of groups whose rewards are all equal (hpcrl ``reward_zero_std_frac``, TRL
+  ``frac_reward_zero_std``);
 - ``grad norm``: before clipping, the mean of the batch's two updates (hpcrl ``grad_norm``; TRL's recorded per
   update, as its logged ``grad_norm`` is the last update's);
 - ``lr``: hpcrl ``lr``, TRL ``learning_rate``;
@@ -437,7 +437,7 @@ def run_hpcrl_free(model_dir: Path, seed: int, prompts: int, steps: int, work: P
 # (hpcrl key, TRL key) per column; None where that side logs no such metric
 FREE_COLUMNS = {
     "reward": ("reward_mean", "reward"),
-    "zero-std": (None, "frac_reward_zero_std"),
+    "zero-std": ("reward_zero_std_frac", "frac_reward_zero_std"),
     "grad norm": ("grad_norm", "grad_norm_mean"),
     "lr": ("lr", "learning_rate"),
     "clip": ("clip_frac", "clip_ratio/region_mean"),

@@ -58,7 +58,9 @@ def _advantages(groups: list[Group], cfg: AlgorithmConfig) -> list[list[float]]:
 def rollout_stats(groups: list[Group], trainer_version: int) -> dict[str, float]:
     """Reward and length statistics of a batch, and how stale its tokens are for this train step. With reward.fn a
     list, ``reward/<name>`` is the batch's mean of each function's own value (``reward_mean`` is of their weighted
-    sum), over the samples scored with parts (one scored 0 under reward.on_error=zero has none)."""
+    sum), over the samples scored with parts (one scored 0 under reward.on_error=zero has none).
+    ``reward_zero_std_frac`` is the share of the batch's groups whose rewards are all equal: their group-normalised
+    advantages are 0, so they give GRPO no gradient (TRL's ``frac_reward_zero_std``)."""
     rewards = [s.reward for g in groups for s in g.samples]
     lengths = [len(s.output_ids) for g in groups for s in g.samples]
     versions = [v for g in groups for s in g.samples for v in s.versions if v >= 0]  # sampled tokens only
@@ -75,6 +77,7 @@ def rollout_stats(groups: list[Group], trainer_version: int) -> dict[str, float]
         **{key: statistics.fmean(values) for key, values in parts.items()},
         "reward_mean": statistics.fmean(rewards),
         "reward_std": statistics.pstdev(rewards),
+        "reward_zero_std_frac": statistics.fmean(len({s.reward for s in g.samples}) == 1 for g in groups),
         "completion_len_mean": statistics.fmean(lengths),
         "completion_len_min": min(lengths),
         "completion_len_max": max(lengths),
