@@ -44,6 +44,15 @@ class JobResult:
         """Wall time of the train steps (rollout wait + train + weight sync), evaluations and start-up excluded."""
         return sum(m["time_step_s"] for m in self.metrics)
 
+    def cpu_s_per_step(self, upto: int) -> float:
+        """CPU seconds of the job's process tree per step from its first logged step to step ``upto`` (steps
+        2..upto, at the 0.5 s samples' resolution), or NaN with fewer than two samples between them."""
+        first = next((s for s in self.cpu if s[2] >= 1), None)
+        end = next((s for s in self.cpu if s[2] >= upto), None)
+        if first is None or end is None or end[2] <= first[2]:
+            return float("nan")
+        return (end[1] - first[1]) / (end[2] - first[2])
+
     def cores_busy(self) -> float:
         """CPU seconds per second of the job's process tree from its first logged step to its last (steps 2..N)."""
         last = max((n for _, _, n in self.cpu), default=0)
