@@ -100,6 +100,15 @@ _MULTI_TURN_OR_PLUGIN = When(
 _NO_SPEC = When(("allocation.spec",), 'allocation.spec=""', lambda v: not v)
 
 
+def _servers_on(backend: str) -> When:
+    """The policy's servers, or the reward model's where it has some, run on ``backend``."""
+    return When(
+        ("allocation.server.backend", "allocation.reward_model.workers", "allocation.reward_model.backend"),
+        f"allocation.server.backend={backend} or allocation.reward_model.backend={backend} with reward-model workers",
+        lambda server, rm_workers, rm_backend: server == backend or (rm_workers > 0 and rm_backend == backend),
+    )
+
+
 def _keys(section: str, names: str) -> tuple[str, ...]:
     return tuple(f"{section}.{name}" for name in names.split())
 
@@ -142,9 +151,10 @@ RULES: tuple[Rule, ...] = (
     Rule(("train.weight_sync_bucket_mb",), When(("train.lora.rank",), "train.lora.rank=0", lambda v: v == 0)),
     Rule(_keys("train.lora", "alpha dropout target_modules"), positive("train.lora.rank")),  # no adapter at 0
     Rule(("export.merged",), positive("train.lora.rank")),  # a full fine-tune's export is the whole model
-    # inference/commands.py: the cpu server takes neither; SGLang has no batch wait of its own
-    Rule(_keys("inference", "mem_fraction_static extra_args"), equals("allocation.server.backend", "sglang")),
-    Rule(("inference.batch_wait_ms",), equals("allocation.server.backend", "cpu")),
+    # inference/commands.py: the cpu server takes neither; SGLang has no batch wait of its own. The reward model's
+    # servers (inference/worker.py) take the same inference settings on their own backend.
+    Rule(_keys("inference", "mem_fraction_static extra_args"), _servers_on("sglang")),
+    Rule(("inference.batch_wait_ms",), _servers_on("cpu")),
     Rule(("inference.max_restarts",), equals("inference.on_server_exit", "restart")),
     Rule(("checkpoint.keep",), positive("checkpoint.every_steps"), "checkpoint.every_steps=N"),
     Rule(

@@ -148,9 +148,9 @@ def test_the_issues_examples_are_named_exactly_where_they_do_nothing(modes):
         "workflow.tool_parser": lambda c: ":" not in c.workflow.name,
         "workflow.chat_template": lambda c: ":" not in c.workflow.name,
         "algorithm.gamma": lambda c: c.algorithm.advantage != "gae",
-        "inference.mem_fraction_static": lambda c: c.allocation.server.backend == "cpu",
-        "inference.extra_args": lambda c: c.allocation.server.backend == "cpu",
-        "inference.batch_wait_ms": lambda c: c.allocation.server.backend == "sglang",
+        "inference.mem_fraction_static": lambda c: not servers_on(c, "sglang"),
+        "inference.extra_args": lambda c: not servers_on(c, "sglang"),
+        "inference.batch_wait_ms": lambda c: not servers_on(c, "cpu"),
         "train.weight_sync_bucket_mb": lambda c: c.train.weight_sync == "disk" or c.train.lora.rank > 0,
     }
     for mode, cfg, launcher in modes:
@@ -159,6 +159,26 @@ def test_the_issues_examples_are_named_exactly_where_they_do_nothing(modes):
             set_at(cfg, key, other_than(FIELDS[key]))
             assert (key in {u.key for u in unused(cfg, launcher)}) == does_nothing(cfg), f"{mode}: {key}"
             set_at(cfg, key, was)
+
+
+def servers_on(cfg, backend: str) -> bool:
+    """From inference/worker.py: the policy's servers, and the reward model's where it has workers, each on its own
+    backend, all taking the inference settings."""
+    rm = cfg.allocation.reward_model
+    return cfg.allocation.server.backend == backend or (rm.workers > 0 and rm.backend == backend)
+
+
+def test_a_reward_models_sglang_servers_take_the_sglang_settings_beside_the_policys_cpu_servers():
+    cfg = load()
+    cfg.inference.mem_fraction_static, cfg.inference.extra_args = 0.5, ["--random-seed", "3"]
+    cfg.allocation.reward_model.workers, cfg.allocation.reward_model.backend = 1, "sglang"
+    assert [u.key for u in unused(cfg)] == [], "the reward model's SGLang servers take them"
+    cfg.allocation.reward_model.workers = 0
+    assert [u.key for u in unused(cfg)] == [
+        "allocation.reward_model.backend",
+        "inference.mem_fraction_static",
+        "inference.extra_args",
+    ], "with no reward-model worker, nothing takes them"
 
 
 def test_the_controller_jobs_settings_count_under_its_launcher_whatever_runs_the_workers():
@@ -264,7 +284,8 @@ def test_no_shipped_preset_or_experiment_sets_what_does_not_apply_to_it(tiny_mod
          "workflow.name=multi_turn (workflow.name is single_turn)"),
         ("algorithm.gamma=0.9", "algorithm=ppo beside it: algorithm.gamma counts only with algorithm.advantage=gae "
          "(algorithm.advantage is group_norm)"),
-        ("inference.mem_fraction_static=0.5", "allocation.server.backend=sglang beside it"),
+        ("inference.mem_fraction_static=0.5", "allocation.server.backend=sglang or allocation.reward_model.backend="
+         "sglang with reward-model workers beside it"),
         ("+cluster.roles.server.extra_sbatch=[--exclusive]", "cluster=slurm (or a site's cluster file) beside it"),
         ("allocation.trainer.workers=4", "no allocation.spec beside it: allocation.trainer.workers counts only with "
          "allocation.spec=\"\" (allocation.spec is cpu:d1+fsdp:d2g0)"),
@@ -341,8 +362,9 @@ def test_the_run_says_it_on_the_console_once_and_its_stdout_is_the_config(main_c
         "algorithm.lam (only with algorithm.advantage=gae; algorithm.advantage is group_norm)",
         "workflow.n (only with workflow.name=best_of_n|majority_vote; workflow.name is single_turn)",
         "workflow.chat_template (only with workflow.name=module:function (a plug-in); workflow.name is single_turn)",
-        "inference.mem_fraction_static, inference.extra_args (only with allocation.server.backend=sglang; "
-        "allocation.server.backend is cpu)",
+        "inference.mem_fraction_static, inference.extra_args (only with allocation.server.backend=sglang or "
+        "allocation.reward_model.backend=sglang with reward-model workers; allocation.server.backend is cpu, "
+        "allocation.reward_model.workers is 0, allocation.reward_model.backend is cpu)",
     ):
         assert named in line
     (note,) = [line for line in result.stderr.splitlines() if "model.dtype=bfloat16" in line]
