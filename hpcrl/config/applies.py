@@ -109,6 +109,17 @@ def _servers_on(backend: str) -> When:
     )
 
 
+# the CPU server batches generation only: a reward model it serves generates as a judge (reward.fn with llm_judge),
+# while a classifier's /classify scores each request on its own (inference/server/__main__.py serve_reward_model)
+_GENERATING_ON_CPU = When(
+    ("allocation.server.backend", "allocation.reward_model.workers", "allocation.reward_model.backend", "reward.fn"),
+    "allocation.server.backend=cpu or a judge's reward-model workers on allocation.reward_model.backend=cpu",
+    lambda server, rm_workers, rm_backend, fn: (
+        server == "cpu" or (rm_workers > 0 and rm_backend == "cpu" and "llm_judge" in str(fn))
+    ),
+)
+
+
 def _keys(section: str, names: str) -> tuple[str, ...]:
     return tuple(f"{section}.{name}" for name in names.split())
 
@@ -154,7 +165,7 @@ RULES: tuple[Rule, ...] = (
     # inference/commands.py: the cpu server takes neither; SGLang has no batch wait of its own. The reward model's
     # servers (inference/worker.py) take the same inference settings on their own backend.
     Rule(_keys("inference", "mem_fraction_static extra_args"), _servers_on("sglang")),
-    Rule(("inference.batch_wait_ms",), _servers_on("cpu")),
+    Rule(("inference.batch_wait_ms",), _GENERATING_ON_CPU),
     Rule(("inference.max_restarts",), equals("inference.on_server_exit", "restart")),
     Rule(("checkpoint.keep",), positive("checkpoint.every_steps"), "checkpoint.every_steps=N"),
     Rule(

@@ -150,7 +150,7 @@ def test_the_issues_examples_are_named_exactly_where_they_do_nothing(modes):
         "algorithm.gamma": lambda c: c.algorithm.advantage != "gae",
         "inference.mem_fraction_static": lambda c: not servers_on(c, "sglang"),
         "inference.extra_args": lambda c: not servers_on(c, "sglang"),
-        "inference.batch_wait_ms": lambda c: not servers_on(c, "cpu"),
+        "inference.batch_wait_ms": lambda c: not generating_on_cpu(c),
         "train.weight_sync_bucket_mb": lambda c: c.train.weight_sync == "disk" or c.train.lora.rank > 0,
     }
     for mode, cfg, launcher in modes:
@@ -168,6 +168,13 @@ def servers_on(cfg, backend: str) -> bool:
     return cfg.allocation.server.backend == backend or (rm.workers > 0 and rm.backend == backend)
 
 
+def generating_on_cpu(cfg) -> bool:
+    """From the CPU server's two entry points: only generation batches requests (a judge's, not a classifier's)."""
+    rm = cfg.allocation.reward_model
+    judge = rm.workers > 0 and rm.backend == "cpu" and "llm_judge" in str(cfg.reward.fn)
+    return cfg.allocation.server.backend == "cpu" or judge
+
+
 def test_a_reward_models_sglang_servers_take_the_sglang_settings_beside_the_policys_cpu_servers():
     cfg = load()
     cfg.inference.mem_fraction_static, cfg.inference.extra_args = 0.5, ["--random-seed", "3"]
@@ -179,6 +186,11 @@ def test_a_reward_models_sglang_servers_take_the_sglang_settings_beside_the_poli
         "inference.mem_fraction_static",
         "inference.extra_args",
     ], "with no reward-model worker, nothing takes them"
+    cfg.allocation.server.backend, cfg.inference.batch_wait_ms = "sglang", 5.0
+    cfg.allocation.reward_model.workers, cfg.allocation.reward_model.backend = 1, "cpu"
+    assert "inference.batch_wait_ms" in [u.key for u in unused(cfg)], "a classifier on the CPU server batches nothing"
+    cfg.reward.fn = "hpcrl.reward.judge:llm_judge"
+    assert "inference.batch_wait_ms" not in [u.key for u in unused(cfg)], "a judge generates on it"
 
 
 def test_the_controller_jobs_settings_count_under_its_launcher_whatever_runs_the_workers():
