@@ -2,7 +2,7 @@
 
 Run by the doctor's GPU probe where the servers run (``python -m hpcrl.doctor.probe gpu``), after
 ``import sglang`` worked. It reads the package's metadata (the version, against ``SGLANG_REQUIREMENT``)
-and its route file (``srt/entrypoints/http_server.py``, against ``ENDPOINTS``) without importing them, so
+and its route file (``srt/entrypoints/http_server.py``, against ``CALLED``) without importing them, so
 it answers in a second even where importing SGLang's server takes a minute.
 
 Where ``import sglang`` fails, ``install_problems`` says whether the tested release can be installed there at

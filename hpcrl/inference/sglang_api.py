@@ -3,7 +3,7 @@
 SGLang's API moves between releases of one minor version (0.5.1 has no ``/begin_weight_update``, its
 pause takes no mode), so the ``sglang`` extra names the tested release and its patch releases
 (``SGLANG_REQUIREMENT``, the same string as pyproject.toml's). ``hpcrl.doctor`` checks inside a GPU job
-that the installed SGLang is in that range and serves every route of ``ENDPOINTS``, read from its own
+that the installed SGLang is in that range and serves every route of ``CALLED``, read from its own
 ``srt/entrypoints/http_server.py`` (``routes``) without importing it.
 """
 
@@ -37,6 +37,11 @@ ENDPOINTS = (
     ("POST", "/update_weight_version"),
 )
 
+# the reward model's client's own (hpcrl/reward/model_client.py): a discriminative reward model's scores; its judge
+# generates on /generate, above
+REWARD_MODEL_ENDPOINTS = (("POST", "/classify"),)
+CALLED = ENDPOINTS + REWARD_MODEL_ENDPOINTS  # every endpoint hpcrl calls on an SGLang server, as the doctor checks
+
 
 def routes(source: str) -> dict[str, set[str]]:
     """{path: HTTP methods} of the FastAPI routes an SGLang ``http_server.py`` declares with a literal path:
@@ -53,7 +58,7 @@ def routes(source: str) -> dict[str, set[str]]:
     return found
 
 
-def missing(declared: dict[str, set[str]], wanted: Iterable[tuple[str, str]] = ENDPOINTS) -> list[str]:
+def missing(declared: dict[str, set[str]], wanted: Iterable[tuple[str, str]] = CALLED) -> list[str]:
     """``METHOD /path`` of each wanted endpoint that ``declared`` (from ``routes``) lacks."""
     return [f"{method} {path}" for method, path in wanted if method not in declared.get(path, set())]
 

@@ -16,12 +16,12 @@ import pytest
 
 from hpcrl.doctor.gpu import gpu_results
 from hpcrl.doctor.sglang import install_problems, install_status, sglang_status
-from hpcrl.inference.sglang_api import ENDPOINTS, HTTP_SERVER, SGLANG_REQUIREMENT, TESTED
+from hpcrl.inference.sglang_api import CALLED, HTTP_SERVER, SGLANG_REQUIREMENT, TESTED
 from tests.conftest import REPO
 from tests.inference.sglang_wheel import fetch_wheel
 
 
-def route_file(endpoints=ENDPOINTS) -> str:
+def route_file(endpoints=CALLED) -> str:
     """An http_server.py declaring ``endpoints`` the ways SGLang does (get/post/api_route)."""
     lines = ["from fastapi import FastAPI", "app = FastAPI()"]
     for i, (method, path) in enumerate(endpoints):
@@ -59,10 +59,13 @@ def test_other_releases_fail_naming_the_range(tmp_path, version):
 
 
 def test_a_missing_or_changed_endpoint_fails_naming_it(tmp_path):
-    without_begin = [e for e in ENDPOINTS if e[1] != "/begin_weight_update"]
+    without_begin = [e for e in CALLED if e[1] != "/begin_weight_update"]
     status = sglang_status(install(tmp_path / "a", TESTED, route_file(without_begin)))
     assert not status["ok"] and "does not serve POST /begin_weight_update, which hpcrl calls" in status["detail"]
-    as_get = [("GET", p) if p == "/end_weight_update" else (m, p) for m, p in ENDPOINTS]
+    without_classify = [e for e in CALLED if e[1] != "/classify"]
+    status = sglang_status(install(tmp_path / "c", TESTED, route_file(without_classify)))
+    assert not status["ok"] and "does not serve POST /classify" in status["detail"], "the reward model's client's"
+    as_get = [("GET", p) if p == "/end_weight_update" else (m, p) for m, p in CALLED]
     status = sglang_status(install(tmp_path / "b", TESTED, route_file(as_get)))
     assert not status["ok"] and "POST /end_weight_update" in status["detail"]
 
