@@ -1,7 +1,7 @@
 """hpcrl against TRL's GRPOTrainer: wall-clock to a mean training reward of 0.8 on the mod10 task.
 
     python bench/trl_grpo.py [--runs 3] [--max-steps 150] [--time-cap-s 600] [--target 0.8] [--also 0.9]
-                             [--trl-threads N] [--quick]
+                             [--staleness 0 1] [--trl-threads N] [--quick]
 
 Needs TRL in the venv (only for this benchmark): ``pip install trl==1.16.0`` (with transformers 5.x).
 
@@ -24,7 +24,9 @@ the CPU seconds a step from the first logged step to the target's (hpcrl: its pr
 second; TRL: its process's), and from hpcrl's the CPU bound: its CPU seconds a step spread over this machine's cores,
 the shortest its step could be doing the same work with no core ever idle, against TRL's measured step.
 ``--also`` adds targets (e.g. 0.9) that each run goes on to: the steps to each, per seed, with their median and
-range; the ratios stay those of ``--target``, which come from the same runs.
+range; the ratios stay those of ``--target``, which come from the same runs. ``--staleness`` runs hpcrl once per
+value of ``rollout.max_staleness`` on each seed (default 0 only: synchronous, as TRL is), each against the same TRL
+run; with staleness above 0 generation overlaps training and the samples may be that many versions old.
 TRL runs with torch's default threads (one per core) unless ``--trl-threads`` says otherwise: a 2-thread
 process slows several-fold on a machine whose cores others are using.
 """
@@ -121,7 +123,11 @@ def hpcrl_overrides(model_dir: Path, seed: int, max_steps: int, prompts: int) ->
     ]
 
 
-def run_hpcrl(model_dir: Path, seed: int, args, work: Path) -> dict:
+def hpcrl_name(staleness: int) -> str:
+    return "hpcrl" if staleness == 0 else f"hpcrl staleness {staleness}"
+
+
+def run_hpcrl(model_dir: Path, seed: int, args, work: Path, staleness: int = 0) -> dict:
     def reached(metrics) -> bool:
         return any(m["reward_mean"] >= max(targets(args)) for m in metrics)
 
@@ -133,7 +139,8 @@ def run_hpcrl(model_dir: Path, seed: int, args, work: Path) -> dict:
 
     overrides = hpcrl_overrides(model_dir, seed, args.max_steps, args.prompts)
     overrides += ["dataset.eval_size=16"] if args.quick else []
-    job = run_job(overrides, work, f"hpcrl-{seed}", timeout_s=args.time_cap_s + 900, stop_when=stop)
+    overrides += [f"rollout.max_staleness={staleness}"] if staleness else []
+    job = run_job(overrides, work, f"hpcrl-{seed}-s{staleness}", timeout_s=args.time_cap_s + 900, stop_when=stop)
     metrics = job.metrics
     hit = next((i for i, m in enumerate(metrics) if m["reward_mean"] >= args.target), None)
     upto = metrics[: hit + 1] if hit is not None else metrics
@@ -157,6 +164,9 @@ def main() -> None:
     parser.add_argument("--also", type=float, nargs="*", default=[], help="more targets to record steps to")
     parser.add_argument("--prompts", type=int, default=PROMPTS, help="prompts per step (x 8 completions)")
     parser.add_argument("--trl-threads", type=int, default=0, help="TRL's torch threads; 0 = torch's default")
+    parser.add_argument(
+        "--staleness", type=int, nargs="+", default=[0], help="hpcrl's rollout.max_staleness, a run of each per seed"
+    )
     parser.add_argument("--quick", action="store_true", help="2 steps of 8 prompts, one run (smoke test)")
     parser.add_argument("--trl-run", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -168,12 +178,14 @@ def main() -> None:
     from hpcrl.models.tiny import make_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="hpcrl-bench-trl-"))
-    results: dict[str, list[dict]] = {"hpcrl": [], "trl": []}
+    results: dict[str, list[dict]] = {**{hpcrl_name(s): [] for s in args.staleness}, "trl": []}
     try:
         for seed in range(args.runs):
             model_dir = make_tiny_model(work / f"model-{seed}", seed=seed, characters=ALPHABET, **TINY)
-            results["hpcrl"].append(run_hpcrl(model_dir, seed, args, work))
-            print(f"seed {seed} hpcrl: {results['hpcrl'][-1]}", file=sys.stderr, flush=True)
+            for staleness in args.staleness:
+                name = hpcrl_name(staleness)
+                results[name].append(run_hpcrl(model_dir, seed, args, work, staleness))
+                print(f"seed {seed} {name}: {results[name][-1]}", file=sys.stderr, flush=True)
             results["trl"].append(run_trl(model_dir, seed, args, work))
             print(f"seed {seed} trl: {results['trl'][-1]}", file=sys.stderr, flush=True)
     finally:
@@ -210,28 +222,29 @@ def report(results: dict[str, list[dict]], args) -> None:
                     f"* {name} seed {seed} did not reach {args.target}: {r['steps']} steps, last reward "
                     f"{r['last_reward']:.3f}; its times are to the cap"
                 )
-    pairs = list(zip(results["trl"], results["hpcrl"], strict=True))
-    ratio = median([t["train_s"] / h["train_s"] for t, h in pairs])
-    command = median([t["command_s"] / h["command_s"] for t, h in pairs])
-    all_reached = all(r["reached"] for runs in results.values() for r in runs)
-    verdict = ("met" if ratio >= 1.5 else "missed") if all_reached else "not measured (a run missed the target)"
-    print(
-        f"TRL / hpcrl time to the target, training = {ratio:.2f} (goal >= 1.5): {verdict}; whole command = "
-        f"{command:.2f} (goal >= 1.0)"
-    )
-    print(cpu_bound(results))
+    for name in (n for n in results if n != "trl"):
+        pairs = list(zip(results["trl"], results[name], strict=True))
+        ratio = median([t["train_s"] / h["train_s"] for t, h in pairs])
+        command = median([t["command_s"] / h["command_s"] for t, h in pairs])
+        reached = all(r["reached"] for runs in (results["trl"], results[name]) for r in runs)
+        verdict = ("met" if ratio >= 1.5 else "missed") if reached else "not measured (a run missed the target)"
+        print(
+            f"TRL / {name} time to the target, training = {ratio:.2f} (goal >= 1.5): {verdict}; whole command = "
+            f"{command:.2f} (goal >= 1.0)"
+        )
+        print(cpu_bound(results, name))
     print(steps_table(results, args))
 
 
-def cpu_bound(results: dict[str, list[dict]]) -> str:
-    """How fast hpcrl's step could be here doing the CPU work it does now with every core always busy, and the
-    training ratio that step would give against TRL's measured step (medians over the runs)."""
+def cpu_bound(results: dict[str, list[dict]], name: str = "hpcrl") -> str:
+    """How fast hpcrl's step (the runs under ``name``) could be here doing the CPU work it does now with every core
+    always busy, and the training ratio that step would give against TRL's measured step (medians over the runs)."""
     cores = len(os.sched_getaffinity(0))
-    hpcrl_cpu = median([r["cpu_step"] for r in results["hpcrl"]])
+    hpcrl_cpu = median([r["cpu_step"] for r in results[name]])
     trl_step = median([r["train_s"] / r["steps"] for r in results["trl"]])
     floor = hpcrl_cpu / cores
     return (
-        f"CPU bound: hpcrl's {hpcrl_cpu:.3f} CPU s a step over {cores} cores = {floor:.3f} s a step at best; TRL's "
+        f"CPU bound: {name}'s {hpcrl_cpu:.3f} CPU s a step over {cores} cores = {floor:.3f} s a step at best; TRL's "
         f"step {trl_step:.3f} s / that = {trl_step / floor:.2f}, the most TRL / hpcrl per step can be here without "
         "less CPU work a step"
     )
