@@ -109,13 +109,18 @@ def _servers_on(backend: str) -> When:
     )
 
 
-# the CPU server batches generation only: a reward model it serves generates as a judge (reward.fn with llm_judge),
-# while a classifier's /classify scores each request on its own (inference/server/__main__.py serve_reward_model)
+# the CPU server batches generation only: a generative reward model (a judge) on it generates, while a
+# discriminative one's /classify scores each request on its own (inference/server/__main__.py serve_reward_model)
 _GENERATING_ON_CPU = When(
-    ("allocation.server.backend", "allocation.reward_model.workers", "allocation.reward_model.backend", "reward.fn"),
-    "allocation.server.backend=cpu or a judge's reward-model workers on allocation.reward_model.backend=cpu",
-    lambda server, rm_workers, rm_backend, fn: (
-        server == "cpu" or (rm_workers > 0 and rm_backend == "cpu" and "llm_judge" in str(fn))
+    (
+        "allocation.server.backend",
+        "allocation.reward_model.workers",
+        "allocation.reward_model.backend",
+        "reward.model.kind",
+    ),
+    "allocation.server.backend=cpu or a generative reward model's workers on allocation.reward_model.backend=cpu",
+    lambda server, rm_workers, rm_backend, kind: (
+        server == "cpu" or (rm_workers > 0 and rm_backend == "cpu" and kind == "generative")
     ),
 )
 

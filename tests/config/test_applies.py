@@ -169,9 +169,10 @@ def servers_on(cfg, backend: str) -> bool:
 
 
 def generating_on_cpu(cfg) -> bool:
-    """From the CPU server's two entry points: only generation batches requests (a judge's, not a classifier's)."""
+    """From the CPU server's two entry points: only generation batches requests (a generative reward model's, not a
+    discriminative one's /classify)."""
     rm = cfg.allocation.reward_model
-    judge = rm.workers > 0 and rm.backend == "cpu" and "llm_judge" in str(cfg.reward.fn)
+    judge = rm.workers > 0 and rm.backend == "cpu" and cfg.reward.model.kind == "generative"
     return cfg.allocation.server.backend == "cpu" or judge
 
 
@@ -188,9 +189,9 @@ def test_a_reward_models_sglang_servers_take_the_sglang_settings_beside_the_poli
     ], "with no reward-model worker, nothing takes them"
     cfg.allocation.server.backend, cfg.inference.batch_wait_ms = "sglang", 5.0
     cfg.allocation.reward_model.workers, cfg.allocation.reward_model.backend = 1, "cpu"
+    assert "inference.batch_wait_ms" not in [u.key for u in unused(cfg)], "a generative reward model generates on it"
+    cfg.reward.model.kind = "discriminative"
     assert "inference.batch_wait_ms" in [u.key for u in unused(cfg)], "a classifier on the CPU server batches nothing"
-    cfg.reward.fn = "hpcrl.reward.judge:llm_judge"
-    assert "inference.batch_wait_ms" not in [u.key for u in unused(cfg)], "a judge generates on it"
 
 
 def test_the_controller_jobs_settings_count_under_its_launcher_whatever_runs_the_workers():
