@@ -132,3 +132,19 @@ def path_without_slurm(tmp_path_factory) -> str:
             if found and entry.name not in SLURM_COMMANDS and not os.path.lexists(link):  # the first on PATH wins
                 link.symlink_to(entry.path)
     return str(bin_dir)
+
+
+def subnormals_computed() -> bool:
+    """Whether this process still computes with subnormal floats: a flush-to-zero mode (``hpcrl/denormals.py``,
+    which trainer ranks and CPU servers set for themselves) makes half the smallest normal float 0."""
+    smallest = sys.float_info.min
+    return smallest / 2 > 0
+
+
+@pytest.fixture(autouse=True)
+def no_flush_to_zero_left_behind(request):
+    """A test that sets the flush-to-zero mode in the test process and leaves it set fails here, by name: the mode
+    is the process's, and a later test in the same worker (hypothesis's float strategies) would fail instead."""
+    yield
+    if not subnormals_computed():
+        pytest.fail(f"{request.node.nodeid} left subnormal floats flushed to zero in the test process", pytrace=False)

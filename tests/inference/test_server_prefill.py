@@ -88,3 +88,4 @@ def test_the_server_leaves_the_http_loop_a_core_by_default():
         assert set_torch_threads(3) == 3 == torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
+        torch.set_flush_denormal(False)  # set_torch_threads flushes subnormals for the whole process: not past here
